@@ -1,0 +1,146 @@
+"""Launch configuration: block sizes, warps and pipeline depth for each kernel.
+
+Chosen from, in order:
+  1. the persistent tuning cache (filled by `tune`, i.e. by a sweep on this very GPU),
+  2. defaults measured on Hopper (H100/H200) for the architecture and head dim,
+  3. a generic rule that shrinks tiles until they fit the device's shared memory.
+In Triton's CPU interpreter small tiles are used so that small test shapes still cross blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+import triton
+
+from . import tuning_cache
+from .hardware import DeviceInfo, device_info, interpreter_active
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+
+INTERPRETER_CONFIG = LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def head_dim_block(head_dim: int) -> int:
+    """Head dims are padded to a power of two (at least 16) inside the kernels."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# Hopper defaults, keyed by (kernel, padded head dim). Measured by bench/tune_attention.py on an
+# H100/H200; the sweep's results live in bench/results/. `variant` does not enter here.
+_HOPPER_DEFAULTS: dict[tuple[str, int], LaunchConfig] = {
+    ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),
+    ("attn_fwd", 32): LaunchConfig(128, 64, 4, 3),
+    ("attn_fwd", 64): LaunchConfig(128, 64, 4, 3),
+    ("attn_fwd", 128): LaunchConfig(128, 64, 8, 3),
+    ("attn_fwd", 256): LaunchConfig(128, 64, 8, 2),
+    ("attn_bwd_dkdv", 16): LaunchConfig(64, 128, 8, 2),
+    ("attn_bwd_dkdv", 32): LaunchConfig(64, 128, 8, 2),
+    ("attn_bwd_dkdv", 64): LaunchConfig(64, 128, 8, 2),
+    ("attn_bwd_dkdv", 128): LaunchConfig(64, 128, 8, 2),
+    ("attn_bwd_dkdv", 256): LaunchConfig(64, 64, 8, 1),
+    ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
+    ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),
+    ("attn_bwd_dq", 64): LaunchConfig(128, 64, 8, 2),
+    ("attn_bwd_dq", 128): LaunchConfig(128, 64, 8, 2),
+    ("attn_bwd_dq", 256): LaunchConfig(64, 64, 8, 1),
+}
+
+
+def estimate_shared_memory(kernel: str, cfg: LaunchConfig, block_d: int, elem_bytes: int) -> int:
+    """Rough bytes of shared memory a configuration needs (operands staged per pipeline stage)."""
+    m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
+    if kernel == "attn_fwd":  # Q resident, K and V streamed, plus a bias tile per stage
+        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * 4)
+    if kernel == "attn_bwd_dkdv":  # K, V resident, Q and dO streamed
+        return 2 * n * block_d * elem_bytes + s * (2 * m * block_d * elem_bytes + m * n * 4)
+    return 2 * m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * 4)
+
+
+def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: int,
+                   elem_bytes: int) -> LaunchConfig:
+    budget = info.shared_memory_per_block
+    while estimate_shared_memory(kernel, cfg, block_d, elem_bytes) > budget:
+        if cfg.num_stages > 1:
+            cfg = LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+        elif max(cfg.block_m, cfg.block_n) > 16:
+            if cfg.block_m >= cfg.block_n:
+                cfg = LaunchConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, cfg.num_stages)
+            else:
+                cfg = LaunchConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+        else:
+            break
+    return cfg
+
+
+def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int = 2) -> LaunchConfig:
+    cfg = _HOPPER_DEFAULTS[(kernel, min(block_d, 256))]
+    if not info.is_hopper:
+        # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
+        cfg = LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2))
+    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes)
+
+
+def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, variant: str) -> str:
+    return f"{info.name}|sm{info.arch}|triton{triton.__version__}|{kernel}|d{block_d}|{dtype}|{variant}"
+
+
+def select_config(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype,
+                  variant: str = "") -> LaunchConfig:
+    if interpreter_active() or device.type != "cuda":
+        return INTERPRETER_CONFIG
+    info = device_info(device)
+    block_d = head_dim_block(head_dim)
+    hit = tuning_cache.lookup(cache_key(kernel, info, block_d, dtype, variant))
+    if hit is not None:
+        return LaunchConfig(**hit)
+    return default_config(kernel, info, block_d, torch.empty((), dtype=dtype).element_size())
+
+
+def candidate_configs(kernel: str, block_d: int) -> list[LaunchConfig]:
+    """The sweep space for `tune`: tile shapes Hopper can hold at this head dim."""
+    out = []
+    for bm in (32, 64, 128):
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    cfg = LaunchConfig(bm, bn, warps, stages)
+                    if estimate_shared_memory(kernel, cfg, block_d, 2) <= 228 * 1024:
+                        out.append(cfg)
+    return out
+
+
+def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, variant: str,
+         time_config: Callable[[LaunchConfig], float],
+         candidates: Iterable[LaunchConfig] | None = None) -> LaunchConfig:
+    """Time each candidate with `time_config` (milliseconds), remember the fastest.
+
+    The winner goes to the persistent cache, every timing to the profiling log. Candidates that
+    fail to compile or launch (too much shared memory, too many registers) are skipped.
+    """
+    info = device_info(device)
+    block_d = head_dim_block(head_dim)
+    key = cache_key(kernel, info, block_d, dtype, variant)
+    best, best_ms = None, math.inf
+    for cfg in candidates if candidates is not None else candidate_configs(kernel, block_d):
+        try:
+            ms = time_config(cfg)
+        except Exception as exc:  # noqa: BLE001 - resource errors differ by Triton version
+            tuning_cache.log_profile({"key": key, "config": asdict(cfg), "error": type(exc).__name__})
+            continue
+        tuning_cache.log_profile({"key": key, "config": asdict(cfg), "ms": ms})
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no candidate configuration ran for {key}")
+    tuning_cache.store(key, {**asdict(best)})
+    return best

@@ -1,0 +1,1 @@
+"""One folder per op: its Triton kernels, autograd interface and PyTorch reference."""

@@ -1,0 +1,375 @@
+"""Public functions and autograd for dynamic mask attention.
+
+flash_dma_func        q [B, Sq, H, D], k/v [B, Sk, Hk, D]
+flash_dma_varlen_func q [total_q, H, D], k/v [total_k, Hk, D], int32 cu_seqlens
+
+Both lower to one internal problem description (`_Problem`) that the kernel launchers read, so the
+padded and the packed layouts share every line of launch code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ...config import LaunchConfig, head_dim_block, select_config
+from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
+                           last_dim_contiguous)
+from . import kernels
+from .sparsity import KeyWalk, choose_mode, plan_key_walk
+
+_INPUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Problem:
+    """Shapes and flags of one call, in the kernels' terms."""
+    batch: int  # B, or the number of packed sequences
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    seqlen_q: int  # fixed length, or max_seqlen_q for varlen
+    seqlen_k: int
+    is_varlen: bool
+    is_causal: bool
+    softmax_scale: float
+    cu_q: torch.Tensor | None
+    cu_k: torch.Tensor | None
+
+    def row_strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, token, head) strides of q/k/v-like tensors; varlen has no batch axis."""
+        if self.is_varlen:
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def stat_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        """lse/delta: [B, H, Sq] (batch, head strides) or varlen [H, total_q]."""
+        if self.is_varlen:
+            return 0, lse.stride(0)
+        return lse.stride(0), lse.stride(1)
+
+    def stat_shape(self, total_q: int) -> tuple[int, ...]:
+        if self.is_varlen:
+            return (self.num_heads, total_q)
+        return (self.batch, self.num_heads, self.seqlen_q)
+
+
+def _pair_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Strides of a broadcastable [B, H, Sq, Sk] mask or bias, 0 along size-1 dims."""
+    if t is None:
+        return 0, 0, 0, 0
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
+
+
+def _pair_flags(t: torch.Tensor | None) -> tuple[bool, bool]:
+    """(broadcast along queries, broadcast along keys)."""
+    if t is None:
+        return False, False
+    return t.shape[2] == 1, t.shape[3] == 1
+
+
+def _validate_pair(name: str, t, batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int,
+                   seqlen_k: int, dtypes, device: torch.device, seq_words: tuple[str, str]):
+    if t is None:
+        return None
+    check_tensor(name, t, dims=4, dtypes=dtypes)
+    if t.device != device:
+        raise ValueError(f"{name}: expected to be on {device} like q, got {t.device}")
+    b, h, sq, sk = t.shape
+    heads = sorted({1, num_kv_heads, num_heads})
+    problems = []
+    if b not in (1, batch):
+        problems.append(f"dim 0 must be 1 or {batch}")
+    if h not in heads:
+        problems.append(f"dim 1 must be one of {heads}")
+    if sq not in (1, seqlen_q):
+        problems.append(f"dim 2 must be 1 or {seqlen_q} ({seq_words[0]})")
+    if sk not in (1, seqlen_k):
+        problems.append(f"dim 3 must be 1 or {seqlen_k} ({seq_words[1]})")
+    if problems:
+        raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to "
+                         f"[{batch}, {num_heads}, {seqlen_q}, {seqlen_k}]: " + "; ".join(problems))
+    return last_dim_contiguous(t) if sk > 1 else t
+
+
+def _grid_blocks(length: int, block: int) -> int:
+    return max(triton.cdiv(length, block), 1)
+
+
+def _list_args(walk: KeyWalk) -> list:
+    return [*walk.count_strides(), *walk.index_strides()]
+
+
+def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):
+    return t if t is not None else dummy
+
+
+def _attention_forward(pb: _Problem, q, k, v, mask, bias):
+    cfg = select_config("attn_fwd", q.device, pb.head_dim, q.dtype, "bias" if bias is not None else "plain")
+    mode = choose_mode(mask, pb.num_heads, pb.num_kv_heads)
+    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+                         seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
+                         cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
+                         key_major=False, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(pb.stat_shape(q.shape[0]), device=q.device, dtype=torch.float32)
+    dummy = lse  # any tensor: pointer arguments the kernel never reads
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    grid = (_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
+    kernels.attn_fwd_kernel[grid](
+        q, k, v, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        pb.cu_q if pb.is_varlen else dummy, pb.cu_k if pb.is_varlen else dummy,
+        walk.count, walk.index,
+        pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
+        *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(out),
+        *pb.stat_strides(lse), *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
+        pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
+        walk.head_div,
+        **_constexprs(pb, cfg, mask, bias, mode),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse, mode
+
+
+def _head_div(pb: _Problem, t: torch.Tensor | None) -> int:
+    return pb.num_heads // t.shape[1] if t is not None else 1
+
+
+def _constexprs(pb: _Problem, cfg: LaunchConfig, mask, bias, mode: int) -> dict:
+    mask_q, mask_k = _pair_flags(mask)
+    bias_q, bias_k = _pair_flags(bias)
+    return dict(
+        HEAD_DIM=pb.head_dim, BLOCK_D=head_dim_block(pb.head_dim), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, IS_CAUSAL=pb.is_causal, IS_VARLEN=pb.is_varlen,
+        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, MASK_Q_BCAST=mask_q,
+        MASK_K_BCAST=mask_k, BIAS_Q_BCAST=bias_q, BIAS_K_BCAST=bias_k, KV_MODE=mode,
+    )
+
+
+@dataclass
+class _BiasGradPlan:
+    """Where the kernel writes dbias and how the result is finished."""
+    buffer: torch.Tensor
+    atomic: bool
+    slot_strides: tuple[int, int, int]  # element offsets per (batch, head-in-share, key block)
+    slotted: bool
+
+    def finish(self, bias: torch.Tensor) -> torch.Tensor:
+        grad = self.buffer.sum(0) if self.slotted else self.buffer
+        return grad.to(bias.dtype)
+
+
+def _plan_bias_grad(pb: _Problem, bias: torch.Tensor, n_key_programs: int, mode: int,
+                    deterministic: bool) -> _BiasGradPlan:
+    """Decide how dbias is reduced over the dims the bias broadcasts.
+
+    Within one program, reductions along queries (and keys of one tile) happen in registers.
+    Contributions from several programs or heads to one entry (bias shared by batch or by the
+    query heads of a group, or broadcast along keys) are added with fp32 atomics, or, when
+    deterministic, written to per-contributor slots that are summed in a fixed order afterwards.
+    """
+    shape = bias.shape
+    head_share = pb.num_heads // shape[1]
+    batch_shared = shape[0] == 1 and pb.batch > 1
+    key_shared = shape[3] == 1 and n_key_programs > 1
+    cross = batch_shared or head_share > 1 or key_shared
+    # entries no program writes (skipped tiles, gathered-away keys, padding) must read 0
+    complete = mode == kernels.KV_DENSE and not pb.is_causal and not pb.is_varlen
+    if not cross:
+        alloc = torch.empty if complete else torch.zeros
+        return _BiasGradPlan(alloc(shape, device=bias.device, dtype=bias.dtype), False, (0, 0, 0), False)
+    if not deterministic:
+        return _BiasGradPlan(torch.zeros(shape, device=bias.device, dtype=torch.float32), True,
+                             (0, 0, 0), False)
+    n_n = n_key_programs if key_shared else 1
+    n_h = head_share if head_share > 1 else 1
+    n_b = pb.batch if batch_shared else 1
+    numel = math.prod(shape)
+    slot_n = numel if key_shared else 0
+    slot_h = n_n * numel if head_share > 1 else 0
+    slot_b = n_h * n_n * numel if batch_shared else 0
+    buffer = torch.zeros((n_b * n_h * n_n, *shape), device=bias.device, dtype=torch.float32)
+    return _BiasGradPlan(buffer, False, (slot_b, slot_h, slot_n), True)
+
+
+def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode: int,
+                        want_dbias: bool, deterministic: bool):
+    dout = last_dim_contiguous(dout)
+    variant = "bias" if bias is not None else "plain"
+    dummy = lse
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    cu_q = pb.cu_q if pb.is_varlen else dummy
+    cu_k = pb.cu_k if pb.is_varlen else dummy
+    kv_group = pb.num_heads // pb.num_kv_heads
+    block_d = head_dim_block(pb.head_dim)
+
+    delta = torch.empty_like(lse)
+    cfg_delta = 128 if q.device.type == "cuda" else 16
+    kernels.attn_bwd_delta_kernel[(_grid_blocks(pb.seqlen_q, cfg_delta), pb.batch * pb.num_heads)](
+        out, dout, delta, cu_q, pb.seqlen_q, *pb.row_strides(out), *pb.row_strides(dout),
+        *pb.stat_strides(lse), pb.num_heads,
+        HEAD_DIM=pb.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_delta, IS_VARLEN=pb.is_varlen,
+    )
+
+    # dk, dv (, dbias): key-major
+    cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype, variant)
+    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+                         seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
+                         cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
+                         key_major=True, device=q.device)
+    alloc = torch.zeros if mode == kernels.KV_GATHER else torch.empty  # gathered-away keys: 0
+    dk = alloc(k.shape, device=k.device, dtype=k.dtype)
+    dv = alloc(v.shape, device=v.device, dtype=v.dtype)
+    n_key_programs = _grid_blocks(pb.seqlen_k, cfg.block_n)
+    db_plan = _plan_bias_grad(pb, bias, n_key_programs, mode, deterministic) if want_dbias else None
+    db_buf = db_plan.buffer if db_plan is not None else dummy
+    db_strides = _pair_strides(db_plan.buffer[0] if db_plan and db_plan.slotted else db_buf) \
+        if db_plan is not None else (0, 0, 0, 0)
+    kernels.attn_bwd_dkdv_kernel[(n_key_programs, pb.batch * pb.num_kv_heads)](
+        q, k, v, dout, dk, dv, db_buf, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        cu_q, cu_k, walk.count, walk.index,
+        pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
+        *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
+        *pb.row_strides(dk), *pb.row_strides(dv), *pb.stat_strides(lse),
+        *_pair_strides(mask), *_pair_strides(bias), *db_strides,
+        *(db_plan.slot_strides if db_plan is not None else (0, 0, 0)),
+        *_list_args(walk),
+        pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
+        **_constexprs(pb, cfg, mask, bias, mode),
+        HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    # dq: query-major, walks keys like the forward
+    cfg = select_config("attn_bwd_dq", q.device, pb.head_dim, q.dtype, variant)
+    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+                         seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
+                         cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
+                         key_major=False, device=q.device)
+    dq = torch.empty_like(q)
+    kernels.attn_bwd_dq_kernel[(_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)](
+        q, k, v, dout, dq, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        cu_q, cu_k, walk.count, walk.index,
+        pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
+        *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
+        *pb.row_strides(dq), *pb.stat_strides(lse),
+        *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
+        pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
+        **_constexprs(pb, cfg, mask, bias, mode),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    dbias = db_plan.finish(bias) if db_plan is not None else None
+    return dq, dk, dv, dbias
+
+
+class _DynamicMaskAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, pb: _Problem, deterministic: bool):
+        out, lse, mode = _attention_forward(pb, q, k, v, mask, bias)
+        ctx.save_for_backward(q, k, v, out, lse, mask, bias)
+        ctx.problem, ctx.mode, ctx.deterministic = pb, mode, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, mask, bias = ctx.saved_tensors
+        want_dbias = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = _attention_backward(ctx.problem, q, k, v, out, lse, dout, mask, bias,
+                                                ctx.mode, want_dbias, ctx.deterministic)
+        return dq, dk, dv, None, dbias, None, None
+
+
+def _check_qkv(q, k, v, varlen: bool):
+    dims = 3 if varlen else 4
+    layout = "[total, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dims=dims, dtypes=_INPUT_DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected q's dtype {q.dtype}, got k {k.dtype} and v {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)} {layout}, got {tuple(v.shape)}")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} like q, got {k.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected head dim {q.shape[-1]} like q, got {k.shape[-1]}")
+    check_head_dim("q", q.shape[-1])
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"k: its {kv_heads} heads must divide q's {heads} heads (GQA/MQA)")
+
+
+def _finish(out, lse, return_lse):
+    return (out, lse) if return_lse else out
+
+
+def _scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
+                   return_lse=False, deterministic=False):
+    """Dynamic mask attention: softmax(scale q k^T + attn_bias, hidden where attn_mask is False) v.
+
+    q: [B, Sq, H, D]; k, v: [B, Sk, Hk, D] with H % Hk == 0; fp16 or bf16; D a multiple of 8
+    up to 256. attn_mask (bool, True = keep) and attn_bias (q's dtype or fp32) broadcast to
+    [B, H, Sq, Sk]: each dim 1 or full, the head dim 1, Hk or H. is_causal hides key j from
+    query i when j > i + Sk - Sq. Returns out [B, Sq, H, D], and lse [B, H, Sq] (fp32, natural
+    log, +inf for rows that see no key) with return_lse. Gradients reach q, k, v and attn_bias
+    (in attn_bias's own shape). deterministic=True makes the bias-gradient reduction over
+    broadcast dims order-fixed, at the price of one fp32 partial per contributor.
+    """
+    _check_qkv(q, k, v, varlen=False)
+    device = check_same_device({"q": q, "k": k, "v": v, "attn_mask": attn_mask, "attn_bias": attn_bias})
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    words = ("Sq", "Sk")
+    mask = _validate_pair("attn_mask", attn_mask, batch, heads, kv_heads, seqlen_q, seqlen_k,
+                          (torch.bool,), device, words)
+    bias = _validate_pair("attn_bias", attn_bias, batch, heads, kv_heads, seqlen_q, seqlen_k,
+                          (q.dtype, torch.float32), device, words)
+    pb = _Problem(batch, heads, kv_heads, head_dim, seqlen_q, seqlen_k, False, bool(is_causal),
+                  _scale(softmax_scale, head_dim), None, None)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+    return _finish(out, lse, return_lse)
+
+
+def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
+                          return_lse=False, deterministic=False):
+    """Dynamic mask attention over packed sequences.
+
+    q: [total_q, H, D]; k, v: [total_k, Hk, D]; cu_seqlens_q/k: int32 [N + 1] offsets starting
+    at 0; max_seqlen_q/k: at least the longest sequence (a host int, so no synchronisation).
+    attn_mask/attn_bias are padded per sequence: ({1|N}, {1|Hk|H}, {1|max_seqlen_q},
+    {1|max_seqlen_k}), indexed by (sequence, head, position in the sequence). Sequences of
+    length 0 are fine. Returns out [total_q, H, D], and lse [H, total_q] with return_lse.
+    """
+    _check_qkv(q, k, v, varlen=True)
+    device = check_same_device({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                                "cu_seqlens_k": cu_seqlens_k, "attn_mask": attn_mask,
+                                "attn_bias": attn_bias})
+    n_seq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, n_seq)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name}: expected a non-negative Python int, got {value!r}")
+    _, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    words = ("max_seqlen_q", "max_seqlen_k")
+    mask = _validate_pair("attn_mask", attn_mask, n_seq, heads, kv_heads, max_seqlen_q,
+                          max_seqlen_k, (torch.bool,), device, words)
+    bias = _validate_pair("attn_bias", attn_bias, n_seq, heads, kv_heads, max_seqlen_q,
+                          max_seqlen_k, (q.dtype, torch.float32), device, words)
+    pb = _Problem(n_seq, heads, kv_heads, head_dim, max_seqlen_q, max_seqlen_k, True,
+                  bool(is_causal), _scale(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+    return _finish(out, lse, return_lse)

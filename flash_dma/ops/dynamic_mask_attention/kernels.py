@@ -1,0 +1,480 @@
+"""Triton kernels of dynamic mask attention (forward, and the three backward passes).
+
+Layout follows FlashAttention: q [B, Sq, H, D], k/v [B, Sk, Hk, D]; varlen packs sequences along
+the token axis and passes cu_seqlens. Mask and bias are read through four strides each, so any
+broadcast shape costs nothing to pass (a broadcast dim has stride 0 or is flagged *_BCAST, which
+loads a vector instead of a tile).
+
+How the key axis is walked (KV_MODE, chosen on the host by sparsity.py):
+  0 DENSE       every key block, causal rows cut the range short;
+  1 BLOCK_LIST  only the key blocks listed as holding a kept entry (tile skipping);
+  2 GATHER      key-wise masks: the kept keys, compacted, so the work is O(Sq * kept).
+The backward key-major kernel (dk, dv, dbias) walks query blocks with the transposed lists.
+
+Softmax runs in base 2: scores are multiplied by log2(e) once, exp2 replaces exp. The saved
+log-sum-exp is in natural log, as FlashAttention returns it; fully hidden rows get +inf so
+that every probability recomputed from it is exactly 0.
+
+Lengths are runtime arguments (never constexpr), so one compilation serves every length.
+Offsets that can pass 2^31 (token rows times strides) are computed in int64.
+"""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+KV_DENSE = 0
+KV_BLOCK_LIST = 1
+KV_GATHER = 2
+
+
+@triton.jit
+def _sequence_span(cu_seqlens, b, fixed_len, IS_VARLEN: tl.constexpr):
+    """(first token row of sequence b, its length): from cu_seqlens, or b's slot of a batch."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + b)
+        length = tl.load(cu_seqlens + b + 1) - start
+        return start.to(tl.int64), length
+    else:
+        return tl.full([], 0, tl.int64), fixed_len
+
+
+@triton.jit
+def _load_pair_tile(base, q_idx, k_idx, stride_q, stride_k, q_ok, k_ok, other,
+                    Q_BCAST: tl.constexpr, K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """Load a (query, key) tile of a broadcastable [.., Sq|1, Sk|1] tensor (mask or bias).
+
+    Returns something that broadcasts to [M, N] (queries along rows), or to [N, M] when
+    KEY_ROWS. A broadcast axis is loaded once as a vector, not as a full tile.
+    """
+    if KEY_ROWS:
+        qi = q_idx[None, :]
+        kj = k_idx[:, None]
+        qok = q_ok[None, :]
+        kok = k_ok[:, None]
+    else:
+        qi = q_idx[:, None]
+        kj = k_idx[None, :]
+        qok = q_ok[:, None]
+        kok = k_ok[None, :]
+    if Q_BCAST:
+        if K_BCAST:
+            val = tl.load(base)
+        else:
+            val = tl.load(base + kj * stride_k, mask=kok, other=other)
+    else:
+        if K_BCAST:
+            val = tl.load(base + qi * stride_q, mask=qok, other=other)
+        else:
+            val = tl.load(base + qi * stride_q + kj * stride_k, mask=qok & kok, other=other)
+    return val
+
+
+@triton.jit
+def _scores_log2(q, k, q_pos, q_local, k_pos, seqlen_q, seqlen_k, qk_scale, mask_base, bias_base,
+                 stride_mq, stride_mk, stride_bq, stride_bk,
+                 IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+                 BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """Scores in log2 units, -inf where a key is hidden: (scale q k^T + bias) * log2(e).
+
+    q_pos: positions of the query rows in their sequence (for causal); q_local: the same rows
+    relative to mask_base/bias_base, which the caller has advanced to the query block (so that
+    tile offsets stay small). KEY_ROWS computes the transposed tile k q^T (the key-major pass).
+    """
+    if KEY_ROWS:
+        s = tl.dot(k, tl.trans(q)) * qk_scale
+        kj = k_pos[:, None]
+        qi = q_pos[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        kj = k_pos[None, :]
+        qi = q_pos[:, None]
+    q_ok = q_pos < seqlen_q
+    k_ok = k_pos < seqlen_k
+    if HAS_BIAS:
+        bias = _load_pair_tile(bias_base, q_local, k_pos, stride_bq, stride_bk, q_ok, k_ok, 0.0,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS)
+        s += bias.to(tl.float32) * LOG2E
+    visible = kj < seqlen_k
+    if IS_CAUSAL:
+        # bottom-right aligned: key j is hidden from query i when j > i + (Sk - Sq)
+        visible = visible & (kj <= qi + (seqlen_k - seqlen_q))
+    if APPLY_MASK:
+        keep = _load_pair_tile(mask_base, q_local, k_pos, stride_mq, stride_mk, q_ok, k_ok, 0,
+                               MASK_Q_BCAST, MASK_K_BCAST, KEY_ROWS)
+        visible = visible & (keep != 0)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
+                   KV_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many key tiles a query block visits."""
+    if KV_MODE == 0:
+        hi = seqlen_k
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, (m_block + 1) * BLOCK_M + seqlen_k - seqlen_q)
+        return tl.cdiv(tl.maximum(hi, 0), BLOCK_N)
+    elif KV_MODE == 1:
+        return tl.load(list_count + m_block * stride_cq)
+    else:
+        return tl.cdiv(tl.load(list_count + m_block * stride_cq), BLOCK_N)
+
+
+@triton.jit
+def _kv_tile_positions(it, list_index, kept_count, seqlen_k,
+                       KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions of the it-th key tile; a position >= seqlen_k means 'no key here'."""
+    offs = tl.arange(0, BLOCK_N)
+    if KV_MODE == 0:
+        return it * BLOCK_N + offs
+    elif KV_MODE == 1:
+        return tl.load(list_index + it) * BLOCK_N + offs
+    else:
+        slot = it * BLOCK_N + offs
+        pos = tl.load(list_index + slot, mask=slot < kept_count, other=0)
+        return tl.where(slot < kept_count, pos, seqlen_k)
+
+
+@triton.jit
+def _load_rows(base, pos, limit, stride_s, offs_d, HEAD_DIM: tl.constexpr):
+    """[len(pos), BLOCK_D] rows of a [tokens, D] view; rows >= limit and padded dims read 0."""
+    ptrs = base + pos.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+    return tl.load(ptrs, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _store_rows(base, pos, limit, stride_s, offs_d, value, HEAD_DIM: tl.constexpr):
+    ptrs = base + pos.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
+    tl.store(ptrs, value, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    softmax_scale, seqlen_q, seqlen_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_cb, stride_ch, stride_cq,
+    stride_ib, stride_ih, stride_iq,
+    num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+    BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // kv_group
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    if m_block * BLOCK_M >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
+    block_q0 = (m_block * BLOCK_M).to(tl.int64)
+    mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
+    bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
+    hl = h // list_head_div
+    list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
+    list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+    kept_count = 0
+    if KV_MODE == 2:
+        kept_count = tl.load(list_count + m_block * stride_cq)
+
+    q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM)
+    qk_scale = softmax_scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_iter = _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
+                            KV_MODE, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for it in range(0, n_iter):
+        k_pos = _kv_tile_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+        k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM)
+        v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM)
+        s = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                         mask_base, bias_base, stride_mq, stride_mk, stride_bq, stride_bk,
+                         IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
+                         MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - (-inf)) never makes a NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty_row = l_i == 0.0
+    out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
+    lse = tl.where(empty_row, float("inf"), (m_i + tl.math.log2(l_i)) * LN2)
+    o_base = O + b64 * stride_ob + h * stride_oh + q_row0 * stride_os
+    _store_rows(o_base, offs_m, seqlen_q, stride_os, offs_d, out.to(O.dtype.element_ty), HEAD_DIM)
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def attn_bwd_delta_kernel(
+    O, DO, DELTA, CU_Q, seqlen_q,
+    stride_ob, stride_os, stride_oh,
+    stride_db, stride_ds, stride_dh,
+    stride_lb, stride_lh, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta = rowsum(dO * O): the softmax-gradient correction term, one value per query row."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    if m_block * BLOCK_M >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + b64 * stride_ob + h * stride_oh + q_row0 * stride_os, offs_m, seqlen_q,
+                   stride_os, offs_d, HEAD_DIM)
+    do = _load_rows(DO + b64 * stride_db + h * stride_dh + q_row0 * stride_ds, offs_m, seqlen_q,
+                    stride_ds, offs_d, HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    softmax_scale, seqlen_q, seqlen_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_cb, stride_ch, stride_cq,
+    stride_ib, stride_ih, stride_iq,
+    num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+    BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
+):
+    """dq = scale * sum_j dS_ij k_j, query-block-major: walks keys exactly as the forward does."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // kv_group
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    if m_block * BLOCK_M >= seqlen_q:
+        return
+    b64 = b.to(tl.int64)
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
+    block_q0 = (m_block * BLOCK_M).to(tl.int64)
+    mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
+    bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
+    hl = h // list_head_div
+    list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
+    list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+    kept_count = 0
+    if KV_MODE == 2:
+        kept_count = tl.load(list_count + m_block * stride_cq)
+
+    q = _load_rows(Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs, offs_m, seqlen_q,
+                   stride_qs, offs_d, HEAD_DIM)
+    do = _load_rows(DO + b64 * stride_dob + h * stride_doh + q_row0 * stride_dos, offs_m, seqlen_q,
+                    stride_dos, offs_d, HEAD_DIM)
+    row_stat = b64 * stride_lb + h * stride_lh + q_row0 + offs_m
+    lse2 = tl.load(LSE + row_stat, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + row_stat, mask=offs_m < seqlen_q, other=0.0)
+    qk_scale = softmax_scale * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_iter = _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
+                            KV_MODE, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for it in range(0, n_iter):
+        k_pos = _kv_tile_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+        k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM)
+        v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM)
+        s = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                         mask_base, bias_base, stride_mq, stride_mk, stride_bq, stride_bk,
+                         IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
+                         MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+
+    dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
+    _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
+                (dq * softmax_scale).to(DQ.dtype.element_ty), HEAD_DIM)
+
+
+@triton.jit
+def _write_dbias(ptr, value, ok, DBIAS_ATOMIC: tl.constexpr):
+    if DBIAS_ATOMIC:
+        tl.atomic_add(ptr, value.to(tl.float32), mask=ok, sem="relaxed")
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    softmax_scale, seqlen_q, seqlen_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_dbb, stride_dbh, stride_dbq, stride_dbk,
+    slot_stride_b, slot_stride_h, slot_stride_n,
+    stride_cb, stride_ch, stride_cn,
+    stride_ib, stride_ih, stride_in,
+    num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+    BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+):
+    """dk, dv (and dbias) for one key tile of one kv head, summed over the heads of its group.
+
+    Each program owns its key rows, so dk and dv need no atomics and no per-query-head buffer.
+    dbias: written tile by tile, or reduced along a broadcast axis in registers; when several
+    programs add into one bias entry (a bias shared by batch or heads, or broadcast along keys)
+    the host asks for fp32 atomics (DBIAS_ATOMIC) or gives each program its own slot
+    (deterministic mode) and sums the slots afterwards.
+    """
+    n_block = tl.program_id(0)
+    bhk = tl.program_id(1)
+    num_kv_heads = num_heads // kv_group
+    b = bhk // num_kv_heads
+    hk = bhk % num_kv_heads
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    b64 = b.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    local_m = tl.arange(0, BLOCK_M)
+    hl0 = (hk * kv_group) // list_head_div  # gather lists are constant over a group (host checks)
+
+    if KV_MODE == 2:
+        kept_total = tl.load(LIST_COUNT + b64 * stride_cb + hl0 * stride_ch)
+        if n_block * BLOCK_N >= kept_total:
+            return
+        slot = n_block * BLOCK_N + offs_n
+        k_pos = tl.load(LIST_INDEX + b64 * stride_ib + hl0 * stride_ih + slot,
+                        mask=slot < kept_total, other=0)
+        k_pos = tl.where(slot < kept_total, k_pos, seqlen_k)
+        first_key = tl.min(k_pos, 0)
+    else:
+        if n_block * BLOCK_N >= seqlen_k:
+            return
+        k_pos = n_block * BLOCK_N + offs_n
+        first_key = n_block * BLOCK_N
+
+    k = _load_rows(K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks, k_pos, seqlen_k,
+                   stride_ks, offs_d, HEAD_DIM)
+    v = _load_rows(V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs, k_pos, seqlen_k,
+                   stride_vs, offs_d, HEAD_DIM)
+    k_ok = k_pos < seqlen_k
+    qk_scale = softmax_scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # causal: the first query row that can see this tile's first key
+    m_lo = 0
+    if IS_CAUSAL:
+        m_lo = tl.maximum(first_key - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    n_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+
+    for g in range(0, kv_group):
+        h = hk * kv_group + g
+        q_base = Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs
+        do_base = DO + b64 * stride_dob + h * stride_doh + q_row0 * stride_dos
+        stat_base = b64 * stride_lb + h * stride_lh + q_row0
+        mask_head = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh
+        bias_head = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh
+        dbias_head = (DBIAS + b64 * stride_dbb + (h // bias_head_div) * stride_dbh
+                      + (b64 * slot_stride_b + (h % bias_head_div) * slot_stride_h
+                         + n_block * slot_stride_n))
+        hl = h // list_head_div
+        if KV_MODE == 1:
+            trip = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + n_block * stride_cn)
+            q_list = LIST_INDEX + b64 * stride_ib + hl * stride_ih + n_block * stride_in
+        else:
+            trip = n_m_blocks - m_lo
+        db_keys = tl.zeros([BLOCK_N], tl.float32)  # dbias summed over queries (Sq-broadcast bias)
+        for it in range(0, trip):
+            if KV_MODE == 1:
+                m_block = tl.load(q_list + it)
+            else:
+                m_block = m_lo + it
+            offs_m = m_block * BLOCK_M + local_m
+            q_ok = offs_m < seqlen_q
+            block_q0 = (m_block * BLOCK_M).to(tl.int64)
+            q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM)
+            do = _load_rows(do_base, offs_m, seqlen_q, stride_dos, offs_d, HEAD_DIM)
+            lse2 = tl.load(LSE + stat_base + offs_m, mask=q_ok, other=float("inf")) * LOG2E
+            delta = tl.load(DELTA + stat_base + offs_m, mask=q_ok, other=0.0)
+            s_t = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                               mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
+                               stride_mq, stride_mk, stride_bq, stride_bk,
+                               IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
+                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+            if HAS_DBIAS:
+                db_tile = dbias_head + block_q0 * stride_dbq
+                if BIAS_Q_BCAST:
+                    db_keys += tl.sum(ds_t, 1)
+                elif BIAS_K_BCAST:
+                    _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds_t, 0), q_ok, DBIAS_ATOMIC)
+                else:
+                    _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
+                                 ds_t, q_ok[None, :] & k_ok[:, None], DBIAS_ATOMIC)
+        if HAS_DBIAS:
+            if BIAS_Q_BCAST:
+                if BIAS_K_BCAST:
+                    _write_dbias(dbias_head, tl.sum(db_keys, 0), n_block >= 0, DBIAS_ATOMIC)
+                else:
+                    _write_dbias(dbias_head + k_pos * stride_dbk, db_keys, k_ok, DBIAS_ATOMIC)
+
+    _store_rows(DK + b64 * stride_dkb + hk * stride_dkh + k_row0 * stride_dks, k_pos, seqlen_k,
+                stride_dks, offs_d, (dk * softmax_scale).to(DK.dtype.element_ty), HEAD_DIM)
+    _store_rows(DV + b64 * stride_dvb + hk * stride_dvh + k_row0 * stride_dvs, k_pos, seqlen_k,
+                stride_dvs, offs_d, dv.to(DV.dtype.element_ty), HEAD_DIM)

@@ -1,0 +1,181 @@
+"""Turning a keep-mask into the work lists the kernels walk, and building top-w masks.
+
+Everything here is a handful of device-side torch ops on the mask (no host synchronisation): the
+lists have fixed, worst-case shapes and carry their own counts, which the kernels read.
+
+Two list kinds (see kernels.py for how they are walked):
+- block lists: for each query block the key blocks holding a kept entry, ascending (and the
+  transpose, for the key-major backward pass). Causal visibility is folded in, so a tile that the
+  causal rule hides is skipped the same way as one the mask empties.
+- gathered keys (key-wise masks [B|1, H|Hk|1, 1, Sk]): the kept key positions, compacted and
+  ascending, plus how many of them each query block may see under the causal rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
+
+
+@dataclass
+class KeyWalk:
+    """How one kernel walks the key (or, key-major, the query) axis. See kernels.py."""
+    mode: int
+    count: torch.Tensor  # int32 [Bl, Hl, blocks|1] (key-major gather: [Bl, Hl])
+    index: torch.Tensor  # int32 [Bl, Hl, blocks|1, n] (gather: [Bl, Hl, Sk])
+    head_div: int  # query head h reads list head h // head_div
+
+    def count_strides(self) -> tuple[int, int, int]:
+        c = self.count
+        return _broadcast_stride(c, 0), _broadcast_stride(c, 1), (
+            _broadcast_stride(c, 2) if c.dim() > 2 else 0)
+
+    def index_strides(self) -> tuple[int, int, int]:
+        i = self.index
+        third = _broadcast_stride(i, 2) if (self.mode == KV_BLOCK_LIST) else 0
+        return _broadcast_stride(i, 0), _broadcast_stride(i, 1), third
+
+
+def _broadcast_stride(t: torch.Tensor, dim: int) -> int:
+    return 0 if t.shape[dim] == 1 else t.stride(dim)
+
+
+def choose_mode(mask: torch.Tensor | None, num_heads: int, num_kv_heads: int) -> int:
+    """Dense without a mask; gathered keys for key-wise masks; block lists otherwise.
+
+    Gathering needs one key set per kv head (the key-major pass sums a whole query-head group
+    into one dk/dv tile), so a key-wise mask that differs across the heads of a group falls back
+    to block lists, which are still exact, only less frugal.
+    """
+    if mask is None:
+        return KV_DENSE
+    key_wise = mask.shape[2] == 1 and mask.shape[3] > 1
+    if key_wise and (mask.shape[1] != num_heads or num_heads == num_kv_heads):
+        return KV_GATHER
+    return KV_BLOCK_LIST
+
+
+def _blocks_any(mask: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    """Reduce `dim` of a bool tensor to one entry per block of `block` (any kept entry)."""
+    size = mask.shape[dim]
+    if size == 1:
+        return mask
+    full = size // block
+    parts = []
+    if full:
+        head = mask.narrow(dim, 0, full * block)
+        parts.append(head.unflatten(dim, (full, block)).any(dim + 1))
+    if size % block:
+        parts.append(mask.narrow(dim, full * block, size - full * block).any(dim, keepdim=True))
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+
+def _sequence_lengths(cu_seqlens: torch.Tensor | None, fixed: int, device) -> torch.Tensor:
+    """Per-sequence lengths as an int64 tensor shaped to broadcast over [N, H, blocks]."""
+    if cu_seqlens is None:
+        return torch.tensor(fixed, device=device, dtype=torch.int64).view(1, 1, 1)
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64).view(-1, 1, 1)
+
+
+def _sorted_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, index): per row, how many entries are set, and their positions first, ascending."""
+    count = blocks.sum(-1, dtype=torch.int32).contiguous()
+    # kernels read each list as a contiguous row; argsort would keep a transposed input's layout
+    index = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32).contiguous()
+    return count, index
+
+
+def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqlen_q: int,
+                  seqlen_k: int, is_causal: bool, cu_seqlens_q: torch.Tensor | None,
+                  cu_seqlens_k: torch.Tensor | None, block_m: int, block_n: int,
+                  key_major: bool, device: torch.device) -> KeyWalk:
+    """Lists for one kernel's tile sizes. seqlen_q/k are the (max) lengths the mask is padded to."""
+    if mode == KV_DENSE:
+        empty = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
+        return KeyWalk(KV_DENSE, empty[..., 0], empty, 1)
+
+    n_m = -(-seqlen_q // block_m)
+    n_n = -(-seqlen_k // block_n)
+    len_q = _sequence_lengths(cu_seqlens_q, seqlen_q, device)
+    len_k = _sequence_lengths(cu_seqlens_k, seqlen_k, device)
+    causal_shift = len_k - len_q  # key j is hidden from query i when j > i + shift
+
+    if mode == KV_GATHER:
+        keep = mask[:, :, 0, :]
+        if cu_seqlens_k is not None:  # keys past a sequence's end are padding, never kept
+            keep = keep & (torch.arange(seqlen_k, device=device) < len_k)
+        count, index = _sorted_lists(keep)
+        head_div = num_heads // keep.shape[1]
+        if key_major:
+            return KeyWalk(KV_GATHER, count, index, head_div)
+        if is_causal:
+            seen = keep.cumsum(-1, dtype=torch.int32)
+            last_row = torch.minimum((torch.arange(n_m, device=device) + 1) * block_m, len_q) - 1
+            last_key = last_row + causal_shift  # [N|1, 1, n_m]
+            per_block = seen.gather(-1, last_key.clamp(0, seqlen_k - 1).expand(
+                seen.shape[0], seen.shape[1], n_m))
+            count = torch.where(last_key >= 0, per_block, 0).to(torch.int32)
+        else:
+            count = count[..., None]
+        return KeyWalk(KV_GATHER, count, index, head_div)
+
+    blocks = _blocks_any(_blocks_any(mask, 2, block_m), 3, block_n)  # [Bm, Hm, n_m|1, n_n|1]
+    if is_causal:
+        first_key = torch.arange(n_n, device=device) * block_n  # [n_n]
+        last_row = (torch.arange(n_m, device=device) + 1) * block_m - 1  # [n_m]
+        visible = first_key.view(1, 1, 1, -1) <= (last_row.view(1, 1, -1, 1)
+                                                   + causal_shift.unsqueeze(-1))
+        blocks = blocks & visible
+    rows = n_m if (key_major or blocks.shape[2] > 1) else 1
+    blocks = blocks.expand(blocks.shape[0], blocks.shape[1], rows, n_n)
+    if key_major:
+        blocks = blocks.transpose(-1, -2)
+    count, index = _sorted_lists(blocks)
+    return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // blocks.shape[1])
+
+
+def topk_mask_from_bias(attn_bias: torch.Tensor, keep: int, *, is_causal: bool = False,
+                        key_padding_mask: torch.Tensor | None = None,
+                        block_size: int | None = None) -> torch.Tensor:
+    """Keep-mask of the `keep` largest bias entries per row (Doge-style dynamic masks).
+
+    attn_bias: [B|1, H|Hk|1, Sq|1, Sk]. A row of length 1 along Sq gives a key-wise mask, the case
+    the kernels serve at O(Sq * keep). Keys hidden by the causal rule (when the bias has full
+    query rows) or by key_padding_mask ([B, Sk], True = real token) are never chosen. With
+    block_size, whole key blocks are kept instead: the ceil(keep / block_size) blocks with the
+    largest maximum bias, so that tile skipping can drop every other block.
+    Returns a bool tensor of the bias's shape.
+    """
+    if attn_bias.dim() != 4:
+        raise ValueError(f"attn_bias: expected 4 dims [B, H, Sq, Sk], got shape {tuple(attn_bias.shape)}")
+    if keep < 1:
+        raise ValueError(f"keep: expected a positive number of keys, got {keep}")
+    score = attn_bias.detach().float()
+    sq, sk = score.shape[2], score.shape[3]
+    allowed = torch.ones_like(score, dtype=torch.bool)
+    if is_causal and sq > 1:
+        rows = torch.arange(sq, device=score.device).view(-1, 1)
+        cols = torch.arange(sk, device=score.device).view(1, -1)
+        allowed = allowed & (cols <= rows + (sk - sq))
+    if key_padding_mask is not None:
+        if key_padding_mask.shape[-1] != sk or key_padding_mask.dim() != 2:
+            raise ValueError(f"key_padding_mask: expected [B, {sk}], got {tuple(key_padding_mask.shape)}")
+        allowed = allowed & key_padding_mask.bool()[:, None, None, :]
+    score = torch.where(allowed, score, float("-inf"))
+    if block_size is None:
+        k = min(keep, sk)
+        top = score.topk(k, dim=-1).indices
+        chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+        chosen.scatter_(-1, top, True)
+        return chosen & allowed
+    n_blocks = -(-sk // block_size)
+    padded = torch.nn.functional.pad(score, (0, n_blocks * block_size - sk), value=float("-inf"))
+    block_score = padded.unflatten(-1, (n_blocks, block_size)).amax(-1)
+    k = min(-(-keep // block_size), n_blocks)
+    top = block_score.topk(k, dim=-1).indices
+    chosen_blocks = torch.zeros(block_score.shape, dtype=torch.bool, device=score.device)
+    chosen_blocks.scatter_(-1, top, True)
+    chosen = chosen_blocks.repeat_interleave(block_size, -1)[..., :sk]
+    return chosen & allowed

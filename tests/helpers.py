@@ -1,0 +1,34 @@
+import torch
+
+# Relative-error bounds against an fp64 reference (||x - ref|| / ||ref||).
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x64, ref64 = x.double(), ref.double()
+    assert not torch.isnan(x64).any(), "NaN in the result"
+    denom = ref64.norm().item()
+    diff = (x64 - ref64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
+                 magnitude: float | None = None):
+    """magnitude: measure the error against this norm when the reference itself may be ~0."""
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    err = rel_err(x, ref)
+    if magnitude is not None:
+        diff = (x.double() - ref.double()).norm().item()
+        err = diff / magnitude if magnitude > 0 else diff
+    bound = TOLERANCE[dtype] * scale
+    assert err <= bound, f"{name}: relative error {err:.2e} > {bound:.1e}"
+    return err
+
+
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor):
+    """Same +inf pattern (rows with no visible key), finite entries close."""
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref)), "lse: +inf rows differ from the reference"
+    finite = torch.isfinite(ref)
+    if finite.any():
+        assert (lse[finite].double() - ref[finite]).abs().max().item() < 1e-2

@@ -1,0 +1,252 @@
+"""Dynamic mask attention against the fp64 reference: values, lse and every gradient."""
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPES, ON_GPU
+from helpers import assert_close, assert_lse_close
+from flash_dma import flash_dma_func, flash_dma_varlen_func
+from flash_dma.ops.dynamic_mask_attention import attention_reference, attention_varlen_reference
+from flash_dma.ops.dynamic_mask_attention.reference import heads_to
+
+
+def random_mask(shape, density=0.6, coarse=16):
+    """Elementwise-random keep-mask, with whole coarse tiles emptied so tile skipping is exercised."""
+    fine = torch.rand(shape, device=DEVICE) < density
+    b, h, sq, sk = shape
+    coarse_keep = torch.rand(b, h, -(-sq // coarse), -(-sk // coarse), device=DEVICE) < 0.6
+    coarse_keep = coarse_keep.repeat_interleave(coarse, 2)[:, :, :sq].repeat_interleave(coarse, 3)[..., :sk]
+    return fine & coarse_keep
+
+
+def make_inputs(B, Sq, Sk, H, Hk, D, dtype, mask_shape=None, bias_shape=None, bias_dtype=None):
+    q = torch.randn(B, Sq, H, D, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, Sk, Hk, D, device=DEVICE, dtype=dtype)
+    v = torch.randn(B, Sk, Hk, D, device=DEVICE, dtype=dtype)
+    mask = random_mask(mask_shape) if mask_shape is not None else None
+    bias = (torch.randn(bias_shape, device=DEVICE, dtype=bias_dtype or dtype)
+            if bias_shape is not None else None)
+    return q, k, v, mask, bias
+
+
+def check_against_reference(q, k, v, mask, bias, causal, dtype, grad=True, deterministic=False,
+                            varlen=None, scale=None):
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    bias_leaf = bias.clone().requires_grad_(grad) if bias is not None else None
+    if varlen is None:
+        out, lse = flash_dma_func(*leaves, attn_mask=mask, attn_bias=bias_leaf, is_causal=causal,
+                                  softmax_scale=scale, return_lse=True, deterministic=deterministic)
+    else:
+        cu_q, cu_k, mq, mk = varlen
+        out, lse = flash_dma_varlen_func(*leaves, cu_q, cu_k, mq, mk, attn_mask=mask,
+                                         attn_bias=bias_leaf, is_causal=causal, softmax_scale=scale,
+                                         return_lse=True, deterministic=deterministic)
+    ref_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    ref_bias = bias.detach().double().requires_grad_(grad) if bias is not None else None
+    # A zero full-shape bias in the reference yields dS itself: the scale against which a bias
+    # gradient summed over keys is judged (that sum is exactly 0, softmax being shift-invariant).
+    zero_full = None
+    if bias is not None:
+        n_batch = len(varlen[0]) - 1 if varlen else q.shape[0]
+        full_shape = (n_batch, q.shape[-2], varlen[2] if varlen else q.shape[1],
+                      varlen[3] if varlen else k.shape[1])
+        zero_full = torch.zeros(full_shape, dtype=torch.float64, device=q.device, requires_grad=grad)
+    total_bias = None if bias is None else heads_to(ref_bias, q.shape[-2], 1) + zero_full
+    if varlen is None:
+        ref_out, ref_lse = attention_reference(*ref_leaves, mask, total_bias, causal, scale)
+    else:
+        ref_out, ref_lse = attention_varlen_reference(*ref_leaves, varlen[0], varlen[1], mask,
+                                                      total_bias, causal, scale)
+    assert out.dtype == q.dtype
+    assert_close("out", out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse)
+    if not grad:
+        return out, None
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves + ([bias_leaf] if bias is not None else []), dout)
+    want = torch.autograd.grad(ref_out, ref_leaves + ([ref_bias, zero_full] if bias is not None else []),
+                               dout.double())
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert g.dtype == (q.dtype if name != "dbias" else bias.dtype)
+        key_summed = name == "dbias" and bias.shape[3] == 1
+        assert_close(name, g, w, dtype, magnitude=want[4].norm().item() if key_summed else None)
+    return out, got
+
+
+SHAPES = [  # (B, Sq, Sk, H, Hk)
+    (2, 37, 45, 4, 2),   # odd lengths, GQA, Sq < Sk
+    (1, 50, 19, 2, 2),   # Sq > Sk: with causal, the first rows see no key
+    (2, 1, 33, 3, 1),    # a single query (decoding), MQA
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plain_attention(shape, causal, dtype):
+    B, Sq, Sk, H, Hk = shape
+    q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 32, dtype)
+    check_against_reference(q, k, v, None, None, causal, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 96, 128, 192, 256])
+def test_every_head_dim(head_dim):
+    dtype = DTYPES[-1]
+    q, k, v, mask, bias = make_inputs(1, 21, 35, 2, 1, head_dim, dtype, mask_shape=(1, 2, 21, 35),
+                                      bias_shape=(1, 2, 21, 35))
+    check_against_reference(q, k, v, mask, bias, True, dtype)
+
+
+# (mask shape, bias shape) as functions of (B, H, Hk, Sq, Sk); covers every broadcast kind.
+BROADCASTS = {
+    "full/full": (lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk)),
+    "batch1/kvheads": (lambda B, H, Hk, Sq, Sk: (1, H, Sq, Sk), lambda B, H, Hk, Sq, Sk: (B, Hk, Sq, Sk)),
+    "keywise-gather": (lambda B, H, Hk, Sq, Sk: (B, Hk, 1, Sk), lambda B, H, Hk, Sq, Sk: (B, H, 1, Sk)),
+    "keywise-perhead": (lambda B, H, Hk, Sq, Sk: (B, H, 1, Sk), lambda B, H, Hk, Sq, Sk: (1, 1, Sq, Sk)),
+    "keywise-shared": (lambda B, H, Hk, Sq, Sk: (1, 1, 1, Sk), lambda B, H, Hk, Sq, Sk: (B, 1, 1, Sk)),
+    "querywise": (lambda B, H, Hk, Sq, Sk: (B, 1, Sq, 1), lambda B, H, Hk, Sq, Sk: (1, H, Sq, 1)),
+    "scalar-per-head": (lambda B, H, Hk, Sq, Sk: (1, Hk, 1, 1), lambda B, H, Hk, Sq, Sk: (1, H, 1, 1)),
+    "bias-only": (None, lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk)),
+    "mask-only": (lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), None),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", list(BROADCASTS))
+def test_mask_and_bias_broadcasts(kind, causal):
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H, Hk = 2, 35, 41, 4, 2
+    mask_fn, bias_fn = BROADCASTS[kind]
+    dims = (B, H, Hk, Sq, Sk)
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype,
+                                      mask_fn(*dims) if mask_fn else None,
+                                      bias_fn(*dims) if bias_fn else None)
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
+
+
+def test_fp32_bias_and_custom_scale():
+    dtype = DTYPES[-1]
+    q, k, v, mask, bias = make_inputs(1, 19, 23, 2, 2, 32, dtype, (1, 2, 19, 23), (1, 2, 19, 23),
+                                      bias_dtype=torch.float32)
+    check_against_reference(q, k, v, mask, bias, False, dtype, scale=0.3)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H = 1, 33, 40, 2
+    q, k, v, _, bias = make_inputs(B, Sq, Sk, H, H, 32, dtype, None, (B, H, Sq, Sk))
+    mask = torch.rand(B, H, Sq, Sk, device=DEVICE) < 0.5
+    mask[:, :, 3] = False          # one empty row per head
+    mask[:, 1, 20:] = False        # a run of empty rows in one head (a whole empty tile)
+    out, grads = check_against_reference(q, k, v, mask, bias, False, dtype)
+    assert (out[:, 3] == 0).all() and (out[:, 20:, 1] == 0).all()
+    dq, dbias = grads[0], grads[3]
+    assert (dq[:, 3] == 0).all() and (dbias[:, :, 3] == 0).all()
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 29, 37), (2, 1, 29, 1), (1, 2, 1, 37)])
+def test_deterministic_bias_gradient_is_repeatable(bias_shape):
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H, Hk = 2, 29, 37, 4, 2
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, H, Sq, Sk), bias_shape)
+    check_against_reference(q, k, v, mask, bias, True, dtype, deterministic=True)
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(2):
+        leaf = bias.clone().requires_grad_()
+        out = flash_dma_func(q, k, v, attn_mask=mask, attn_bias=leaf, is_causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, leaf, dout)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+def varlen_case(lens_q, lens_k, H, Hk, D, dtype, mask_kind, bias_kind):
+    N = len(lens_q)
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    mq, mk = max(lens_q), max(lens_k)
+    q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=dtype)
+    k = torch.randn(sum(lens_k), Hk, D, device=DEVICE, dtype=dtype)
+    v = torch.randn(sum(lens_k), Hk, D, device=DEVICE, dtype=dtype)
+    shapes = {"full": (N, H, mq, mk), "keywise": (N, Hk, 1, mk), "shared": (1, 1, mq, mk), None: None}
+    mask = random_mask(shapes[mask_kind]) if mask_kind else None
+    bias = torch.randn(shapes[bias_kind], device=DEVICE, dtype=dtype) if bias_kind else None
+    return q, k, v, mask, bias, (cu_q, cu_k, mq, mk)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind,bias_kind", [(None, None), ("full", "full"), ("keywise", "shared")])
+def test_varlen(mask_kind, bias_kind, causal):
+    dtype = DTYPES[-1]
+    # lengths 0 and 1, a sequence longer than one tile, and Sq != Sk per sequence
+    q, k, v, mask, bias, meta = varlen_case([5, 0, 1, 37], [7, 3, 1, 29], 4, 2, 32, dtype,
+                                            mask_kind, bias_kind)
+    check_against_reference(q, k, v, mask, bias, causal, dtype, varlen=meta)
+
+
+def test_varlen_empty_keys_and_empty_everything():
+    dtype = DTYPES[-1]
+    q, k, v, mask, bias, meta = varlen_case([3, 0, 4], [0, 0, 5], 2, 2, 32, dtype, None, "full")
+    out, _ = check_against_reference(q, k, v, mask, bias, False, dtype, varlen=meta)
+    assert (out[:3] == 0).all()  # the first sequence has no keys at all
+
+
+def test_no_grad_path_and_inference_mode():
+    dtype = DTYPES[-1]
+    q, k, v, mask, bias = make_inputs(1, 17, 17, 2, 2, 32, dtype, (1, 2, 17, 17), (1, 2, 17, 17))
+    with torch.inference_mode():
+        out = flash_dma_func(q, k, v, attn_mask=mask, attn_bias=bias)
+    ref, _ = attention_reference(q, k, v, mask, bias)
+    assert_close("out", out, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_real_sizes(head_dim, causal, dtype):
+    B, S, H, Hk = 2, 1000, 4, 2
+    q, k, v, mask, bias = make_inputs(B, S, S + 24, H, Hk, head_dim, dtype, (B, Hk, S, S + 24),
+                                      (B, H, S, S + 24))
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_gpu_keywise_topk_long(dtype):
+    from flash_dma import topk_mask_from_bias
+    B, S, H, Hk, D = 1, 4099, 4, 2, 128
+    q, k, v, _, _ = make_inputs(B, S, S, H, Hk, D, dtype)
+    bias = torch.randn(B, Hk, 1, S, device=DEVICE, dtype=dtype)
+    mask = topk_mask_from_bias(bias, 512)
+    check_against_reference(q, k, v, mask, bias, True, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_one_compilation_serves_every_length():
+    from flash_dma.ops.dynamic_mask_attention import kernels
+    dtype = torch.bfloat16
+    for S in (128, 300, 301, 517, 1000, 1999):  # lengths, not multiples of anything in particular
+        q, k, v, mask, bias = make_inputs(2, S, S, 4, 4, 64, dtype, None, (2, 4, S, S))
+        flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
+    dev = torch.cuda.current_device()
+    cache = kernels.attn_fwd_kernel.device_caches[dev][0]
+    # lengths are not specialised; strides may take Triton's "divisible by 16" variant or not
+    assert len(cache) <= 4, f"{len(cache)} compilations for 6 lengths"
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_linear_in_length():
+    dtype = torch.bfloat16
+    extra = []
+    for S in (2048, 4096):
+        q, k, v, mask, _ = make_inputs(1, S, S, 8, 8, 128, dtype, None, None)
+        mask = torch.rand(1, 8, 1, S, device=DEVICE) < 0.25  # key-wise: O(S) bytes
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = flash_dma_func(*leaves, attn_mask=mask, is_causal=True)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        # beyond inputs: out, dout, dq, dk, dv are each the size of q
+        extra.append(torch.cuda.max_memory_allocated() - base - 5 * q.numel() * q.element_size())
+    assert extra[1] <= 2.5 * max(extra[0], 1 << 20), f"extra memory {extra} grows faster than S"
