@@ -1,0 +1,42 @@
+"""Launch configuration: defaults that fit the device, and the persistent tuning cache."""
+import json
+
+import torch
+
+from flash_dma import config, tuning_cache
+from flash_dma.hardware import DeviceInfo
+
+
+def test_defaults_fit_shared_memory():
+    small = DeviceInfo("small-gpu", 80, 108, 100 * 1024, 0)
+    hopper = DeviceInfo("hopper", 90, 132, 227 * 1024, 0)
+    for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
+        for d in (32, 64, 128, 256):
+            for info in (small, hopper):
+                cfg = config.default_config(kernel, info, d)
+                assert config.estimate_shared_memory(kernel, cfg, d, 2) <= info.shared_memory_per_block
+
+
+def test_tuning_cache_roundtrip_and_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_DMA_CACHE_DIR", str(tmp_path))
+    tuning_cache.forget_memory()
+    info = DeviceInfo("fake", 90, 132, 227 * 1024, 0)
+    monkeypatch.setattr(config, "device_info", lambda device: info)
+    timings = {64: 2.0, 128: 1.0}
+    candidates = [config.LaunchConfig(64, 64, 4, 2), config.LaunchConfig(128, 64, 8, 2),
+                  config.LaunchConfig(256, 256, 8, 3)]
+
+    def time_config(cfg):
+        if cfg.block_m == 256:
+            raise RuntimeError("out of resources")
+        return timings[cfg.block_m]
+
+    best = config.tune("attn_fwd", torch.device("cuda"), 128, torch.bfloat16, "plain", time_config,
+                       candidates)
+    assert best == candidates[1]
+    tuning_cache.forget_memory()  # a later process reads the file
+    key = config.cache_key("attn_fwd", info, 128, torch.bfloat16, "plain")
+    assert tuning_cache.lookup(key) == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+    log = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and log[2]["error"] == "RuntimeError"
+    tuning_cache.forget_memory()
