@@ -1,0 +1,86 @@
+"""Sweep launch configurations of the attention kernels on this GPU.
+
+    python bench/tune_attention.py [--head-dims 64 128 256] [--variants plain bias] [--out FILE]
+
+Each kernel is timed with each candidate (the others keep their current choice) on a
+representative shape; winners go to the persistent tuning cache (flash_dma.tuning_cache), every
+timing to its profiling log, and a summary to --out so that the defaults in flash_dma/config.py
+can be updated from it.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from flash_dma import config, flash_dma_func  # noqa: E402
+from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
+from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
+
+C = config.LaunchConfig
+CANDIDATES = {
+    "attn_fwd": [C(128, 64, 8, 3), C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 128, 8, 3),
+                 C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 32, 8, 3), C(64, 128, 4, 2)],
+    "attn_bwd_dkdv": [C(64, 128, 8, 2), C(64, 128, 8, 3), C(32, 128, 8, 2), C(64, 64, 4, 2),
+                      C(32, 64, 4, 3), C(128, 128, 8, 1), C(64, 128, 4, 2), C(32, 128, 4, 3)],
+    "attn_bwd_dq": [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(64, 64, 4, 3),
+                    C(64, 128, 8, 2), C(128, 128, 8, 2), C(64, 32, 4, 3), C(128, 64, 4, 2)],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--variants", nargs="+", default=["bias", "plain"])
+    parser.add_argument("--out", default="tuning-summary.json")
+    args = parser.parse_args()
+    summary = {"environment": environment(), "results": []}
+    for d in args.head_dims:
+        for variant in args.variants:
+            H = 16 if d <= 128 else 8
+            B, S = 2, 4096
+            q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            bias = (torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    if variant == "bias" else None)
+            leaves = [q, k, v] + ([bias] if bias is not None else [])
+            dout = torch.randn_like(q)
+            for kernel, cands in CANDIDATES.items():
+                real_select = interface.select_config
+
+                def time_config(cfg, kernel=kernel):
+                    def pick(name, *a, **kw):
+                        return cfg if name == kernel else real_select(name, *a, **kw)
+                    interface.select_config = pick
+                    try:
+                        out = flash_dma_func(q, k, v, attn_bias=bias)
+                        if kernel == "attn_fwd":
+                            return time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias))
+                        return time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                    finally:
+                        interface.select_config = real_select
+
+                block_d = config.head_dim_block(d)
+                fits = [c for c in cands if config.estimate_shared_memory(kernel, c, block_d, 2) <= 227 * 1024]
+                timings = {}
+
+                def recorder(cfg, kernel=kernel):
+                    ms = time_config(cfg)
+                    timings[str(cfg)] = ms
+                    return ms
+                best = config.tune(kernel, q.device, d, torch.bfloat16, variant, recorder, fits)
+                row = {"kernel": kernel, "head_dim": d, "variant": variant, "best": best.__dict__,
+                       "timings_ms": timings}
+                print(json.dumps(row), flush=True)
+                summary["results"].append(row)
+            del q, k, v, bias, leaves
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

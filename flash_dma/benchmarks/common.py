@@ -1,0 +1,137 @@
+"""Timing, correctness columns and report formatting shared by the benchmarks.
+
+A report is a list of sections; a section is a list of rows; a row holds one configuration's
+times (ours and one peer's), its work (FLOPs or bytes) and the difference between the outputs.
+Everything is plain data, so the same rows print as a table and serialise to JSON.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass
+class Row:
+    config: str
+    peer: str
+    peer_ms: float | None  # None: the peer is missing or refused this configuration
+    ours_ms: float | None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    flops: float | None = None  # work of one call, for TFLOP/s
+    bytes: float | None = None  # bytes moved by one call, for GB/s
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.peer_ms and self.ours_ms:
+            return self.peer_ms / self.ours_ms
+        return None
+
+
+@dataclass
+class Section:
+    title: str
+    rows: list[Row] = field(default_factory=list)
+
+    def geomean_speedup(self, peer: str | None = None) -> float | None:
+        values = [r.speedup for r in self.rows if r.speedup and (peer is None or r.peer == peer)]
+        return geometric_mean(values) if values else None
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("geometric mean of no values")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def environment() -> dict:
+    """The header of every report: device, versions and date."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        env["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(device=props.name, sm_count=props.multi_processor_count,
+                   cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}")
+    else:
+        env.update(device="cpu (no CUDA GPU)", sm_count=None, cuda=None, capability=None)
+    return env
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of fn on the GPU (triton.testing.do_bench: events, L2 flushed)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |ours - ref|, max |ours - ref| / max |ref|) in fp32; NaN anywhere reads as inf."""
+    a, b = ours.float(), ref.float()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return math.inf, math.inf
+    diff = (a - b).abs().max().item()
+    scale = b.abs().max().item()
+    return diff, diff / scale if scale > 0 else diff
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return f"{ms:8.3f}" if ms is not None else "     n/a"
+
+
+def _rate(row: Row, ms: float | None) -> str:
+    if ms is None:
+        return ""
+    if row.flops:
+        return f"{row.flops / ms / 1e9:6.0f} TF/s"
+    if row.bytes:
+        return f"{row.bytes / ms / 1e6:6.0f} GB/s"
+    return ""
+
+
+def format_report(title: str, env: dict, sections: Sequence[Section]) -> str:
+    lines = [f"== {title} ==",
+             f"device: {env.get('device')} ({env.get('sm_count')} SMs, sm {env.get('capability')}) | "
+             f"torch {env.get('torch')} | triton {env.get('triton')} | CUDA {env.get('cuda')} | "
+             f"{env.get('date')}"]
+    for sec in sections:
+        width = max([len(r.config) for r in sec.rows] + [30])
+        lines.append("")
+        lines.append(f"-- {sec.title} --")
+        lines.append(f"{'Config':<{width}} | {'max_abs':>8} {'max_rel':>8} | {'peer':<16} "
+                     f"{'peer(ms)':>8} {'ours(ms)':>8} {'Speedup':>7} | {'peer rate':>11} {'our rate':>11}")
+        for r in sec.rows:
+            acc = (f"{r.max_abs:8.1e} {r.max_rel:8.1e}" if r.max_abs is not None else f"{'':8} {'':8}")
+            speed = f"{r.speedup:6.2f}x" if r.speedup else "    n/a"
+            line = (f"{r.config:<{width}} | {acc} | {r.peer:<16} {_fmt_ms(r.peer_ms)} "
+                    f"{_fmt_ms(r.ours_ms)} {speed} | {_rate(r, r.peer_ms):>11} {_rate(r, r.ours_ms):>11}")
+            if r.note:
+                line += f"  ({r.note})"
+            lines.append(line)
+        peers = sorted({r.peer for r in sec.rows if r.speedup})
+        for p in peers:
+            lines.append(f"{'geometric mean vs ' + p:<{width}} | {'':17} | {'':16} {'':8} {'':8} "
+                         f"{sec.geomean_speedup(p):6.2f}x |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, title: str, env: dict, sections: Sequence[Section]) -> None:
+    data = {"title": title, "environment": env, "sections": [
+        {"title": s.title, "rows": [{**asdict(r), "speedup": r.speedup} for r in s.rows],
+         "geomean_speedup": {p: s.geomean_speedup(p) for p in sorted({r.peer for r in s.rows if r.speedup})}}
+        for s in sections]}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
