@@ -21,8 +21,8 @@ Offsets that can pass 2^31 (token rows times strides) are computed in int64.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 KV_DENSE = 0
 KV_BLOCK_LIST = 1
