@@ -242,7 +242,18 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    # dq: query-major, walks keys like the forward
+    if _dq_from_stored_ds(pb, q, bias, db_plan, mode):
+        dq = _dq_by_matmul(pb, k, db_plan.buffer)
+    else:
+        dq = _dq_kernel(pb, q, k, v, dout, lse, delta, mask, mask_u8, bias, mode, dummy, cu_q, cu_k,
+                        variant, kv_group)
+    dbias = db_plan.finish(bias) if db_plan is not None else None
+    return dq, dk, dv, dbias
+
+
+def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mode, dummy, cu_q, cu_k,
+               variant, kv_group):
+    """dq: query-major, walks keys like the forward."""
     cfg = select_config("attn_bwd_dq", q.device, pb.head_dim, q.dtype, variant)
     walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
@@ -260,8 +271,25 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         **_constexprs(pb, cfg, mask, bias, mode),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    dbias = db_plan.finish(bias) if db_plan is not None else None
-    return dq, dk, dv, dbias
+    return dq
+
+
+def _dq_from_stored_ds(pb: _Problem, q, bias, db_plan, mode) -> bool:
+    """A full-shape bias gradient is dS itself, already in memory: then dq = scale * dS k is one
+    batched matmul, and the dq kernel's recomputation of q k^T, dO v^T and P is saved. Worth it
+    when every tile is computed anyway (dense walk) and dS is in q's dtype (tensor-core matmul)."""
+    return (db_plan is not None and not db_plan.atomic and not db_plan.slotted
+            and not pb.is_varlen and mode == kernels.KV_DENSE and bias.dtype == q.dtype
+            and tuple(bias.shape) == (pb.batch, pb.num_heads, pb.seqlen_q, pb.seqlen_k))
+
+
+def _dq_by_matmul(pb: _Problem, k, ds):
+    group = pb.num_heads // pb.num_kv_heads
+    # [B, H, Sq, Sk] -> [B, Hk, group * Sq, Sk]: the query heads of a group share one k
+    ds = ds.view(pb.batch, pb.num_kv_heads, group * pb.seqlen_q, pb.seqlen_k)
+    dq = torch.matmul(ds, k.transpose(1, 2)).mul_(pb.softmax_scale)
+    dq = dq.view(pb.batch, pb.num_heads, pb.seqlen_q, pb.head_dim).transpose(1, 2)
+    return dq.contiguous()
 
 
 class _DynamicMaskAttention(torch.autograd.Function):

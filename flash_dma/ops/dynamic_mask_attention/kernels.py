@@ -72,66 +72,87 @@ def _load_pair_tile(base, q_idx, k_idx, stride_q, stride_k, q_ok, k_ok, other,
 
 
 @triton.jit
-def _scores_log2(q, k, q_pos, q_local, k_pos, seqlen_q, seqlen_k, qk_scale, mask_base, bias_base,
-                 stride_mq, stride_mk, stride_bq, stride_bk,
-                 IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
-                 BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
-    """Scores in log2 units, -inf where a key is hidden: (scale q k^T + bias) * log2(e).
-
-    q_pos: positions of the query rows in their sequence (for causal); q_local: the same rows
-    relative to mask_base/bias_base, which the caller has advanced to the query block (so that
-    tile offsets stay small). KEY_ROWS computes the transposed tile k q^T (the key-major pass).
-    """
-    if KEY_ROWS:
-        s = tl.dot(k, tl.trans(q)) * qk_scale
-        kj = k_pos[:, None]
-        qi = q_pos[None, :]
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        kj = k_pos[None, :]
-        qi = q_pos[:, None]
-    q_ok = q_pos < seqlen_q
-    k_ok = k_pos < seqlen_k
+def _load_bias_and_keep(mask_base, bias_base, q_local, k_pos, q_ok, k_ok,
+                        stride_mq, stride_mk, stride_bq, stride_bk,
+                        APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+                        BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """The bias and keep-mask tiles of one (query, key) tile. Issued before the tile's first dot so
+    that their memory latency hides behind the matrix work."""
+    bias = 0.0
+    keep = 1
     if HAS_BIAS:
         bias = _load_pair_tile(bias_base, q_local, k_pos, stride_bq, stride_bk, q_ok, k_ok, 0.0,
                                BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS)
-        s += bias.to(tl.float32) * LOG2E
-    visible = kj < seqlen_k
-    if IS_CAUSAL:
-        # bottom-right aligned: key j is hidden from query i when j > i + (Sk - Sq)
-        visible = visible & (kj <= qi + (seqlen_k - seqlen_q))
     if APPLY_MASK:
         keep = _load_pair_tile(mask_base, q_local, k_pos, stride_mq, stride_mk, q_ok, k_ok, 0,
                                MASK_Q_BCAST, MASK_K_BCAST, KEY_ROWS)
-        visible = visible & (keep != 0)
-    return tl.where(visible, s, float("-inf"))
+    return bias, keep
 
 
 @triton.jit
-def _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
-                   KV_MODE: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How many key tiles a query block visits."""
-    if KV_MODE == 0:
-        hi = seqlen_k
+def _scores_log2(q, k, bias, keep, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale,
+                 IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 CHECK: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """Scores in log2 units: (scale q k^T + bias) * log2(e), -inf where a key is hidden.
+
+    CHECK=False is for interior tiles, where every key exists and is visible to every row: no
+    visibility arithmetic at all. KEY_ROWS computes the transposed tile k q^T (key-major pass).
+    """
+    if KEY_ROWS:
+        s = tl.dot(k, tl.trans(q))
+        kj = k_pos[:, None]
+        qi = q_pos[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k))
+        kj = k_pos[None, :]
+        qi = q_pos[:, None]
+    s = s * qk_scale
+    if HAS_BIAS:
+        s += bias.to(tl.float32) * LOG2E
+    if CHECK:
+        visible = kj < seqlen_k
         if IS_CAUSAL:
-            hi = tl.minimum(hi, (m_block + 1) * BLOCK_M + seqlen_k - seqlen_q)
-        return tl.cdiv(tl.maximum(hi, 0), BLOCK_N)
-    elif KV_MODE == 1:
+            # bottom-right aligned: key j is hidden from query i when j > i + (Sk - Sq)
+            visible = visible & (kj <= qi + (seqlen_k - seqlen_q))
+        if APPLY_MASK:
+            visible = visible & (keep != 0)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dense walk of one query block: (key tiles needing no visibility check, key tiles in all).
+
+    Interior tiles come first; the rest (the ragged last tile, the causal diagonal) are checked.
+    """
+    if IS_CAUSAL:
+        shift = seqlen_k - seqlen_q
+        first_row = m_block * BLOCK_M
+        hi = tl.minimum(tl.maximum(first_row + BLOCK_M + shift, 0), seqlen_k)
+        n_full = tl.minimum(tl.maximum(first_row + shift + 1, 0) // BLOCK_N, seqlen_k // BLOCK_N)
+        return n_full, tl.cdiv(hi, BLOCK_N)
+    else:
+        return seqlen_k // BLOCK_N, tl.cdiv(seqlen_k, BLOCK_N)
+
+
+@triton.jit
+def _listed_trip_count(list_count, m_block, stride_cq, KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a query block visits from its list (block list, or gathered keys)."""
+    if KV_MODE == 1:
         return tl.load(list_count + m_block * stride_cq)
     else:
         return tl.cdiv(tl.load(list_count + m_block * stride_cq), BLOCK_N)
 
 
 @triton.jit
-def _kv_tile_positions(it, list_index, kept_count, seqlen_k,
-                       KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key positions of the it-th key tile; a position >= seqlen_k means 'no key here'."""
+def _listed_key_positions(it, list_index, kept_count, seqlen_k,
+                          KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions of the it-th listed tile; a position >= seqlen_k means 'no key here'."""
     offs = tl.arange(0, BLOCK_N)
-    if KV_MODE == 0:
-        return it * BLOCK_N + offs
-    elif KV_MODE == 1:
+    if KV_MODE == 1:
         return tl.load(list_index + it) * BLOCK_N + offs
     else:
         slot = it * BLOCK_N + offs
@@ -140,10 +161,17 @@ def _kv_tile_positions(it, list_index, kept_count, seqlen_k,
 
 
 @triton.jit
-def _load_rows(base, pos, limit, stride_s, offs_d, HEAD_DIM: tl.constexpr):
-    """[len(pos), BLOCK_D] rows of a [tokens, D] view; rows >= limit and padded dims read 0."""
+def _load_rows(base, pos, limit, stride_s, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK: tl.constexpr):
+    """[len(pos), BLOCK_D] rows of a [tokens, D] view; rows >= limit and padded dims read 0.
+    CHECK=False: the caller knows every row exists (interior tiles), so only padding is masked."""
     ptrs = base + pos.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
-    return tl.load(ptrs, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if CHECK:
+        return tl.load(ptrs, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
 
 
 @triton.jit
@@ -152,7 +180,36 @@ def _store_rows(base, pos, limit, stride_s, offs_d, value, HEAD_DIM: tl.constexp
     tl.store(ptrs, value, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+              seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+              stride_bq, stride_bk, offs_d,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
+              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+              CHECK: tl.constexpr):
+    """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
+    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+    bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
+                                     k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
+                                     APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False)
+    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, False)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
+    # exp2(-inf - (-inf)) never makes a NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
+                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -185,44 +242,48 @@ def attn_fwd_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     q_base = Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs
     k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
     v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
     block_q0 = (m_block * BLOCK_M).to(tl.int64)
     mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
     bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
-    hl = h // list_head_div
-    list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
-    list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
-    kept_count = 0
-    if KV_MODE == 2:
-        kept_count = tl.load(list_count + m_block * stride_cq)
 
-    q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM)
+    q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
     qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    n_iter = _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
-                            KV_MODE, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    for it in range(0, n_iter):
-        k_pos = _kv_tile_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
-        k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM)
-        v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM)
-        s = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                         mask_base, bias_base, stride_mq, stride_mk, stride_bq, stride_bk,
-                         IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
-                         MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
-        # exp2(-inf - (-inf)) never makes a NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if KV_MODE == 0:
+        n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        for it in range(0, n_full):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
+                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
+                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
+                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
+        for it in range(n_full, n_iter):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
+                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
+                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
+                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
+    else:
+        hl = h // list_head_div
+        list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
+        list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        kept_count = tl.load(list_count + m_block * stride_cq)
+        n_iter = _listed_trip_count(list_count, m_block, stride_cq, KV_MODE, BLOCK_N)
+        for it in range(0, n_iter):
+            k_pos = _listed_key_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
+                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                                      HAS_MASK and KV_MODE == 1, HAS_BIAS,
+                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
@@ -232,7 +293,7 @@ def attn_fwd_kernel(
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
 
-@triton.jit(do_not_specialize=["seqlen_q"])
+@triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def attn_bwd_delta_kernel(
     O, DO, DELTA, CU_Q, seqlen_q,
     stride_ob, stride_os, stride_oh,
@@ -252,14 +313,37 @@ def attn_bwd_delta_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(O + b64 * stride_ob + h * stride_oh + q_row0 * stride_os, offs_m, seqlen_q,
-                   stride_os, offs_d, HEAD_DIM)
+                   stride_os, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + b64 * stride_db + h * stride_dh + q_row0 * stride_ds, offs_m, seqlen_q,
-                    stride_ds, offs_d, HEAD_DIM)
+                    stride_ds, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, delta, mask=offs_m < seqlen_q)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+             seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+             stride_bq, stride_bk, offs_d,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
+             MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+             CHECK: tl.constexpr):
+    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+    bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
+                                     k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
+                                     APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False)
+    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, False)
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
+                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -294,42 +378,50 @@ def attn_bwd_dq_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
     v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
     block_q0 = (m_block * BLOCK_M).to(tl.int64)
     mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
     bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
-    hl = h // list_head_div
-    list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
-    list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
-    kept_count = 0
-    if KV_MODE == 2:
-        kept_count = tl.load(list_count + m_block * stride_cq)
 
     q = _load_rows(Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs, offs_m, seqlen_q,
-                   stride_qs, offs_d, HEAD_DIM)
+                   stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + b64 * stride_dob + h * stride_doh + q_row0 * stride_dos, offs_m, seqlen_q,
-                    stride_dos, offs_d, HEAD_DIM)
+                    stride_dos, offs_d, HEAD_DIM, BLOCK_D, True)
     row_stat = b64 * stride_lb + h * stride_lh + q_row0 + offs_m
     lse2 = tl.load(LSE + row_stat, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + row_stat, mask=offs_m < seqlen_q, other=0.0)
     qk_scale = softmax_scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    n_iter = _kv_trip_count(list_count, m_block, seqlen_q, seqlen_k, stride_cq,
-                            KV_MODE, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    for it in range(0, n_iter):
-        k_pos = _kv_tile_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
-        k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM)
-        v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM)
-        s = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                         mask_base, bias_base, stride_mq, stride_mk, stride_bq, stride_bk,
-                         IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
-                         MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
-        p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    if KV_MODE == 0:
+        n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        for it in range(0, n_full):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                          IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                          BIAS_K_BCAST, False)
+        for it in range(n_full, n_iter):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                          IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                          BIAS_K_BCAST, True)
+    else:
+        hl = h // list_head_div
+        list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
+        list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        kept_count = tl.load(list_count + m_block * stride_cq)
+        n_iter = _listed_trip_count(list_count, m_block, stride_cq, KV_MODE, BLOCK_N)
+        for it in range(0, n_iter):
+            k_pos = _listed_key_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          k_pos, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                          IS_CAUSAL, HAS_MASK and KV_MODE == 1, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                          BIAS_Q_BCAST, BIAS_K_BCAST, True)
 
     dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
     _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
@@ -344,7 +436,52 @@ def _write_dbias(ptr, value, ok, DBIAS_ATOMIC: tl.constexpr):
         tl.store(ptr, value.to(ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit
+def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat_base,
+               mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
+               seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
+               stride_bq, stride_bk, stride_dbq, stride_dbk,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+               MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
+               BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+               HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, CHECK: tl.constexpr):
+    """One query tile against this program's key tile, in the transposed orientation (keys on
+    rows): accumulates dk, dv, and writes or accumulates dbias."""
+    offs_m = m_block * BLOCK_M + local_m
+    q_ok = offs_m < seqlen_q
+    block_q0 = tl.full([], 0, tl.int64) + m_block * BLOCK_M  # int64 before it meets the strides
+    # rows past the sequence read lse = +inf, so their probabilities are exactly 0
+    q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(do_base, offs_m, seqlen_q, stride_dos, offs_d, HEAD_DIM, BLOCK_D, True)
+    lse2 = tl.load(LSE + stat_base + offs_m, mask=q_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + stat_base + offs_m, mask=q_ok, other=0.0)
+    bias, keep = _load_bias_and_keep(mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
+                                     local_m, k_pos, q_ok, k_ok, stride_mq, stride_mk, stride_bq,
+                                     stride_bk, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, True)
+    s_t = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                       IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, True)
+    p_t = tl.math.exp2(s_t - lse2[None, :])
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    if HAS_DBIAS:
+        db_tile = dbias_head + block_q0 * stride_dbq
+        if BIAS_Q_BCAST:
+            db_keys += tl.sum(ds_t, 1)
+        elif BIAS_K_BCAST:
+            _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds_t, 0), q_ok, DBIAS_ATOMIC)
+        else:
+            _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
+                         ds_t, q_ok[None, :] & k_ok[:, None], DBIAS_ATOMIC)
+    return dk, dv, db_keys
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "slot_stride_b",
+                               "slot_stride_h", "slot_stride_n", "stride_cb", "stride_ch",
+                               "stride_cn", "stride_ib", "stride_ih", "stride_in"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -398,26 +535,33 @@ def attn_bwd_dkdv_kernel(
                         mask=slot < kept_total, other=0)
         k_pos = tl.where(slot < kept_total, k_pos, seqlen_k)
         first_key = tl.min(k_pos, 0)
+        last_key = seqlen_k  # gathered tiles are always checked
     else:
         if n_block * BLOCK_N >= seqlen_k:
             return
         k_pos = n_block * BLOCK_N + offs_n
         first_key = n_block * BLOCK_N
+        last_key = first_key + BLOCK_N - 1
 
     k = _load_rows(K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks, k_pos, seqlen_k,
-                   stride_ks, offs_d, HEAD_DIM)
+                   stride_ks, offs_d, HEAD_DIM, BLOCK_D, True)
     v = _load_rows(V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs, k_pos, seqlen_k,
-                   stride_vs, offs_d, HEAD_DIM)
+                   stride_vs, offs_d, HEAD_DIM, BLOCK_D, True)
     k_ok = k_pos < seqlen_k
     qk_scale = softmax_scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    # causal: the first query row that can see this tile's first key
-    m_lo = 0
-    if IS_CAUSAL:
-        m_lo = tl.maximum(first_key - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    # Query tiles [m_lo, m_full) need visibility checks (causal diagonal; all of them when this
+    # key tile is ragged or gathered); tiles from m_full on see every key of this tile.
     n_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_lo = 0
+    m_full = 0
+    if IS_CAUSAL:
+        shift = seqlen_k - seqlen_q
+        m_lo = tl.maximum(first_key - shift, 0) // BLOCK_M
+        m_full = tl.cdiv(tl.maximum(last_key - shift, 0), BLOCK_M)
+    m_full = tl.where(last_key >= seqlen_k, n_m_blocks, tl.minimum(m_full, n_m_blocks))
 
     for g in range(0, kv_group):
         h = hk * kv_group + g
@@ -429,44 +573,36 @@ def attn_bwd_dkdv_kernel(
         dbias_head = (DBIAS + b64 * stride_dbb + (h // bias_head_div) * stride_dbh
                       + (b64 * slot_stride_b + (h % bias_head_div) * slot_stride_h
                          + n_block * slot_stride_n))
-        hl = h // list_head_div
+        db_keys = tl.zeros([BLOCK_N], tl.float32)  # dbias summed over queries (Sq-broadcast bias)
         if KV_MODE == 1:
+            hl = h // list_head_div
             trip = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + n_block * stride_cn)
             q_list = LIST_INDEX + b64 * stride_ib + hl * stride_ih + n_block * stride_in
+            for it in range(0, trip):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, tl.load(q_list + it), q_base, do_base, LSE, DELTA,
+                    stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
+                    seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True)
         else:
-            trip = n_m_blocks - m_lo
-        db_keys = tl.zeros([BLOCK_N], tl.float32)  # dbias summed over queries (Sq-broadcast bias)
-        for it in range(0, trip):
-            if KV_MODE == 1:
-                m_block = tl.load(q_list + it)
-            else:
-                m_block = m_lo + it
-            offs_m = m_block * BLOCK_M + local_m
-            q_ok = offs_m < seqlen_q
-            block_q0 = (m_block * BLOCK_M).to(tl.int64)
-            q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM)
-            do = _load_rows(do_base, offs_m, seqlen_q, stride_dos, offs_d, HEAD_DIM)
-            lse2 = tl.load(LSE + stat_base + offs_m, mask=q_ok, other=float("inf")) * LOG2E
-            delta = tl.load(DELTA + stat_base + offs_m, mask=q_ok, other=0.0)
-            s_t = _scores_log2(q, k, offs_m, local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                               mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
-                               stride_mq, stride_mk, stride_bq, stride_bk,
-                               IS_CAUSAL, HAS_MASK and KV_MODE != 2, HAS_BIAS,
-                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
-            p_t = tl.math.exp2(s_t - lse2[None, :])
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
-            if HAS_DBIAS:
-                db_tile = dbias_head + block_q0 * stride_dbq
-                if BIAS_Q_BCAST:
-                    db_keys += tl.sum(ds_t, 1)
-                elif BIAS_K_BCAST:
-                    _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds_t, 0), q_ok, DBIAS_ATOMIC)
-                else:
-                    _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
-                                 ds_t, q_ok[None, :] & k_ok[:, None], DBIAS_ATOMIC)
+            for m_block in range(m_lo, m_full):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
+                    stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
+                    seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True)
+            for m_block in range(tl.maximum(m_full, m_lo), n_m_blocks):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
+                    stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
+                    seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
