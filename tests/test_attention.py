@@ -224,13 +224,14 @@ def test_gpu_keywise_topk_long(dtype):
 def test_gpu_one_compilation_serves_every_length():
     from flash_dma.ops.dynamic_mask_attention import kernels
     dtype = torch.bfloat16
+    cache = kernels.attn_fwd_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
     for S in (128, 300, 301, 517, 1000, 1999):  # lengths, not multiples of anything in particular
-        q, k, v, mask, bias = make_inputs(2, S, S, 4, 4, 64, dtype, None, (2, 4, S, S))
+        q, k, v, mask, bias = make_inputs(2, S, S, 4, 4, 72, dtype, None, (2, 4, S, S))
         flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
-    dev = torch.cuda.current_device()
-    cache = kernels.attn_fwd_kernel.device_caches[dev][0]
-    # lengths are not specialised; strides may take Triton's "divisible by 16" variant or not
-    assert len(cache) <= 4, f"{len(cache)} compilations for 6 lengths"
+    # lengths are not specialised; the bias strides may take Triton's "divisible by 16" variant
+    # or not (S % 16, S * S % 16)
+    assert len(cache) - before <= 3, f"{len(cache) - before} compilations for 6 lengths"
 
 
 @pytest.mark.gpu
@@ -250,3 +251,22 @@ def test_gpu_peak_memory_linear_in_length():
         # beyond inputs: out, dout, dq, dk, dv are each the size of q
         extra.append(torch.cuda.max_memory_allocated() - base - 5 * q.numel() * q.element_size())
     assert extra[1] <= 2.5 * max(extra[0], 1 << 20), f"extra memory {extra} grows faster than S"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_structured_mask_full_and_partial_tiles(causal):
+    """Whole kept tiles (walked without mask loads or checks) beside partial ones."""
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H, Hk = 1, 45, 53, 4, 2
+    q, k, v, _, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (B, H, Sq, Sk))
+    mask = random_mask((B, Hk, Sq, Sk), density=1.0)  # coarse 16x16 tiles, all-or-nothing
+    mask[0, 0, 7, 40] = False  # and one tile that is only partly kept
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
+
+
+def test_mask_edited_in_place_is_replanned():
+    dtype = DTYPES[-1]
+    q, k, v, mask, _ = make_inputs(1, 33, 33, 2, 2, 32, dtype, (1, 2, 33, 33), None)
+    check_against_reference(q, k, v, mask, None, False, dtype, grad=False)
+    mask[:, :, :, :20] = False  # the cached tile lists are stale now
+    check_against_reference(q, k, v, mask, None, False, dtype, grad=False)

@@ -32,18 +32,30 @@ def test_block_lists_list_exactly_the_nonempty_tiles():
     mask[0, 0, 40, 69] = True    # tile (2, 4), the ragged last key tile
     mask[0, 0, 49, 0] = True     # tile (3, 0), the ragged last query tile
     w = walk(mask, key_major=False)
-    assert w.count[0, 0].tolist() == [1, 0, 1, 1]
-    assert w.index[0, 0, 0, 0] == 1 and w.index[0, 0, 2, 0] == 4 and w.index[0, 0, 3, 0] == 0
+    full, partial = w.count[0, 0, :, 0], w.count[0, 0, :, 1]
+    assert full.tolist() == [0, 0, 0, 0] and partial.tolist() == [1, 0, 1, 1]
+    assert w.index[0, 0, 0, 1, 0] == 1 and w.index[0, 0, 2, 1, 0] == 4 and w.index[0, 0, 3, 1, 0] == 0
     t = walk(mask, key_major=True)
-    assert t.count[0, 0].tolist() == [1, 1, 0, 0, 1]
-    assert t.index[0, 0, 0, 0] == 3 and t.index[0, 0, 1, 0] == 0 and t.index[0, 0, 4, 0] == 2
+    assert t.count[0, 0, :, 1].tolist() == [1, 1, 0, 0, 1]
+    assert t.index[0, 0, 0, 1, 0] == 3 and t.index[0, 0, 1, 1, 0] == 0 and t.index[0, 0, 4, 1, 0] == 2
+
+
+def test_full_tiles_need_every_entry_kept_and_whole_keys():
+    mask = torch.ones(1, 1, 40, 40, dtype=torch.bool, device=DEVICE)
+    mask[0, 0, 5, 5] = False  # tile (0, 0) is no longer full
+    w = walk(mask, key_major=False)
+    # key tile 2 (keys 32..39) overhangs the 40 keys' tile grid: never full, always checked
+    assert w.count[0, 0, :, 0].tolist() == [1, 2, 2]
+    assert w.count[0, 0, :, 1].tolist() == [2, 1, 1]
+    assert w.index[0, 0, 0, 1, :2].tolist() == [0, 2]
 
 
 def test_block_lists_fold_in_causal():
     mask = torch.ones(1, 1, 64, 64, dtype=torch.bool, device=DEVICE)
     w = walk(mask, key_major=False, causal=True)
-    assert w.count[0, 0].tolist() == [1, 2, 3, 4]
-    assert w.index[0, 0, 3].tolist() == [0, 1, 2, 3]
+    assert w.count[0, 0, :, 0].tolist() == [0, 1, 2, 3]  # below the diagonal: full
+    assert w.count[0, 0, :, 1].tolist() == [1, 1, 1, 1]  # on it: partial
+    assert w.index[0, 0, 3, 0, :3].tolist() == [0, 1, 2] and w.index[0, 0, 3, 1, 0] == 3
 
 
 def test_gather_lists_compact_kept_keys_and_causal_counts():

@@ -18,7 +18,7 @@ from ...config import LaunchConfig, head_dim_block, select_config
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
-from .sparsity import KeyWalk, choose_mode, plan_key_walk
+from .sparsity import KeyWalk, cached_key_walk, choose_mode
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -99,7 +99,7 @@ def _grid_blocks(length: int, block: int) -> int:
 
 
 def _list_args(walk: KeyWalk) -> list:
-    return [*walk.count_strides(), *walk.index_strides()]
+    return walk.kernel_args()
 
 
 def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):
@@ -109,7 +109,7 @@ def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):
 def _attention_forward(pb: _Problem, q, k, v, mask, bias):
     cfg = select_config("attn_fwd", q.device, pb.head_dim, q.dtype, "bias" if bias is not None else "plain")
     mode = choose_mode(mask, pb.num_heads, pb.num_kv_heads)
-    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+    walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
                          key_major=False, device=q.device)
@@ -215,7 +215,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
 
     # dk, dv (, dbias): key-major
     cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype, variant)
-    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+    walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
                          key_major=True, device=q.device)
@@ -255,7 +255,7 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
                variant, kv_group):
     """dq: query-major, walks keys like the forward."""
     cfg = select_config("attn_bwd_dq", q.device, pb.head_dim, q.dtype, variant)
-    walk = plan_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
+    walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
                          key_major=False, device=q.device)

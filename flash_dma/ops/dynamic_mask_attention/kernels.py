@@ -6,10 +6,17 @@ broadcast shape costs nothing to pass (a broadcast dim has stride 0 or is flagge
 loads a vector instead of a tile).
 
 How the key axis is walked (KV_MODE, chosen on the host by sparsity.py):
-  0 DENSE       every key block, causal rows cut the range short;
-  1 BLOCK_LIST  only the key blocks listed as holding a kept entry (tile skipping);
+  0 DENSE       every key tile; the causal rule cuts the range short;
+  1 BLOCK_LIST  only listed tiles: first the "full" ones (every entry kept and visible: no mask
+                load, no checks), then the "partial" ones (mask and checks applied);
   2 GATHER      key-wise masks: the kept keys, compacted, so the work is O(Sq * kept).
-The backward key-major kernel (dk, dv, dbias) walks query blocks with the transposed lists.
+The key-major backward kernel (dk, dv, dbias) walks query tiles with the transposed lists.
+
+Two compile-time switches per tile keep interior tiles lean:
+  CHECK   apply visibility (causal rule, keep-mask) with a where();
+  BOUNDS  the tile may hold keys past the sequence: guard loads and hide those keys. Lengths are
+          runtime values, so a guard on keys stops Triton from vectorising the bias and mask
+          loads along keys; only the one ragged tile per row pays for it.
 
 Softmax runs in base 2: scores are multiplied by log2(e) once, exp2 replaces exp. The saved
 log-sum-exp is in natural log, as FlashAttention returns it; fully hidden rows get +inf so
@@ -42,11 +49,13 @@ def _sequence_span(cu_seqlens, b, fixed_len, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def _load_pair_tile(base, q_idx, k_idx, stride_q, stride_k, q_ok, k_ok, other,
-                    Q_BCAST: tl.constexpr, K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+                    Q_BCAST: tl.constexpr, K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr,
+                    BOUNDS: tl.constexpr):
     """Load a (query, key) tile of a broadcastable [.., Sq|1, Sk|1] tensor (mask or bias).
 
     Returns something that broadcasts to [M, N] (queries along rows), or to [N, M] when
-    KEY_ROWS. A broadcast axis is loaded once as a vector, not as a full tile.
+    KEY_ROWS. A broadcast axis is loaded once as a vector, not as a full tile. Query rows are
+    always guarded (a query tile may overhang the sequence); keys only when BOUNDS.
     """
     if KEY_ROWS:
         qi = q_idx[None, :]
@@ -61,13 +70,17 @@ def _load_pair_tile(base, q_idx, k_idx, stride_q, stride_k, q_ok, k_ok, other,
     if Q_BCAST:
         if K_BCAST:
             val = tl.load(base)
-        else:
+        elif BOUNDS:
             val = tl.load(base + kj * stride_k, mask=kok, other=other)
+        else:
+            val = tl.load(base + kj * stride_k)
     else:
         if K_BCAST:
             val = tl.load(base + qi * stride_q, mask=qok, other=other)
-        else:
+        elif BOUNDS:
             val = tl.load(base + qi * stride_q + kj * stride_k, mask=qok & kok, other=other)
+        else:
+            val = tl.load(base + qi * stride_q + kj * stride_k, mask=qok, other=other)
     return val
 
 
@@ -76,29 +89,27 @@ def _load_bias_and_keep(mask_base, bias_base, q_local, k_pos, q_ok, k_ok,
                         stride_mq, stride_mk, stride_bq, stride_bk,
                         APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                         MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
-                        BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KEY_ROWS: tl.constexpr):
+                        BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+                        KEY_ROWS: tl.constexpr, BOUNDS: tl.constexpr):
     """The bias and keep-mask tiles of one (query, key) tile. Issued before the tile's first dot so
     that their memory latency hides behind the matrix work."""
     bias = 0.0
     keep = 1
     if HAS_BIAS:
         bias = _load_pair_tile(bias_base, q_local, k_pos, stride_bq, stride_bk, q_ok, k_ok, 0.0,
-                               BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS)
+                               BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS)
     if APPLY_MASK:
         keep = _load_pair_tile(mask_base, q_local, k_pos, stride_mq, stride_mk, q_ok, k_ok, 0,
-                               MASK_Q_BCAST, MASK_K_BCAST, KEY_ROWS)
+                               MASK_Q_BCAST, MASK_K_BCAST, KEY_ROWS, BOUNDS)
     return bias, keep
 
 
 @triton.jit
 def _scores_log2(q, k, bias, keep, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale,
                  IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 CHECK: tl.constexpr, KEY_ROWS: tl.constexpr):
+                 CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr):
     """Scores in log2 units: (scale q k^T + bias) * log2(e), -inf where a key is hidden.
-
-    CHECK=False is for interior tiles, where every key exists and is visible to every row: no
-    visibility arithmetic at all. KEY_ROWS computes the transposed tile k q^T (key-major pass).
-    """
+    KEY_ROWS computes the transposed tile k q^T (key-major pass)."""
     if KEY_ROWS:
         s = tl.dot(k, tl.trans(q))
         kj = k_pos[:, None]
@@ -110,23 +121,23 @@ def _scores_log2(q, k, bias, keep, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale,
     s = s * qk_scale
     if HAS_BIAS:
         s += bias.to(tl.float32) * LOG2E
+    if BOUNDS:
+        s = tl.where(kj < seqlen_k, s, float("-inf"))
     if CHECK:
-        visible = kj < seqlen_k
         if IS_CAUSAL:
             # bottom-right aligned: key j is hidden from query i when j > i + (Sk - Sq)
-            visible = visible & (kj <= qi + (seqlen_k - seqlen_q))
+            s = tl.where(kj <= qi + (seqlen_k - seqlen_q), s, float("-inf"))
         if APPLY_MASK:
-            visible = visible & (keep != 0)
-        s = tl.where(visible, s, float("-inf"))
+            s = tl.where(keep != 0, s, float("-inf"))
     return s
 
 
 @triton.jit
 def _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dense walk of one query block: (key tiles needing no visibility check, key tiles in all).
+    """Dense walk of one query tile: (key tiles needing no check, key tiles in all).
 
-    Interior tiles come first; the rest (the ragged last tile, the causal diagonal) are checked.
+    Interior tiles come first; the rest (the causal diagonal, the ragged last tile) are checked.
     """
     if IS_CAUSAL:
         shift = seqlen_k - seqlen_q
@@ -139,34 +150,23 @@ def _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _listed_trip_count(list_count, m_block, stride_cq, KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles a query block visits from its list (block list, or gathered keys)."""
-    if KV_MODE == 1:
-        return tl.load(list_count + m_block * stride_cq)
-    else:
-        return tl.cdiv(tl.load(list_count + m_block * stride_cq), BLOCK_N)
-
-
-@triton.jit
-def _listed_key_positions(it, list_index, kept_count, seqlen_k,
-                          KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key positions of the it-th listed tile; a position >= seqlen_k means 'no key here'."""
-    offs = tl.arange(0, BLOCK_N)
-    if KV_MODE == 1:
-        return tl.load(list_index + it) * BLOCK_N + offs
-    else:
-        slot = it * BLOCK_N + offs
+def _gathered_key_positions(it, list_index, kept_count, seqlen_k, BLOCK_N: tl.constexpr,
+                            BOUNDS: tl.constexpr):
+    """Key positions of the it-th tile of compacted keys; past the kept ones: seqlen_k (no key)."""
+    slot = it * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BOUNDS:
         pos = tl.load(list_index + slot, mask=slot < kept_count, other=0)
         return tl.where(slot < kept_count, pos, seqlen_k)
+    else:
+        return tl.load(list_index + slot)
 
 
 @triton.jit
 def _load_rows(base, pos, limit, stride_s, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK: tl.constexpr):
-    """[len(pos), BLOCK_D] rows of a [tokens, D] view; rows >= limit and padded dims read 0.
-    CHECK=False: the caller knows every row exists (interior tiles), so only padding is masked."""
+               BOUNDS: tl.constexpr):
+    """[len(pos), BLOCK_D] rows of a [tokens, D] view; rows >= limit and padded dims read 0."""
     ptrs = base + pos.to(tl.int64)[:, None] * stride_s + offs_d[None, :]
-    if CHECK:
+    if BOUNDS:
         return tl.load(ptrs, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     elif HEAD_DIM == BLOCK_D:
         return tl.load(ptrs)
@@ -180,6 +180,8 @@ def _store_rows(base, pos, limit, stride_s, offs_d, value, HEAD_DIM: tl.constexp
     tl.store(ptrs, value, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM))
 
 
+# ----------------------------------------------------------------------------------- forward
+
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
               seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
@@ -187,16 +189,16 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
               APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
               MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-              CHECK: tl.constexpr):
+              CHECK: tl.constexpr, BOUNDS: tl.constexpr):
     """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
-    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, CHECK)
-    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
     bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
                                      k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
-                                     APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, False)
+                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
     s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, False)
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     # exp2(-inf - (-inf)) never makes a NaN
@@ -209,7 +211,8 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
-                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq"])
+                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
+                               "stride_ik"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -221,7 +224,7 @@ def attn_fwd_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_cb, stride_ch, stride_cq,
-    stride_ib, stride_ih, stride_iq,
+    stride_ib, stride_ih, stride_iq, stride_ik,
     num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -263,27 +266,62 @@ def attn_fwd_kernel(
                                       local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
                                       stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
                                       offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False)
+                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
+                                      False, False)
         for it in range(n_full, n_iter):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
                                       local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
                                       stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
                                       offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
+                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
+                                      True, True)
+    elif KV_MODE == 1:
+        hl = h // list_head_div
+        counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
+        lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        n_full = tl.load(counts)
+        n_part = tl.load(counts + 1)
+        for it in range(0, n_full):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, tl.load(lists + it) * BLOCK_N + offs_n, seqlen_q,
+                                      seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+                                      stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                                      HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                                      BIAS_K_BCAST, False, False)
+        # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
+        for it in range(0, n_part - 1):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, tl.load(lists + stride_ik + it) * BLOCK_N + offs_n,
+                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                                      IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
+        if n_part > 0:
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, tl.load(lists + stride_ik + n_part - 1) * BLOCK_N + offs_n,
+                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                                      IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
     else:
         hl = h // list_head_div
-        list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
-        list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
-        kept_count = tl.load(list_count + m_block * stride_cq)
-        n_iter = _listed_trip_count(list_count, m_block, stride_cq, KV_MODE, BLOCK_N)
-        for it in range(0, n_iter):
-            k_pos = _listed_key_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+        kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
+        keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
+        n_iter = tl.cdiv(kept, BLOCK_N)
+        for it in range(0, n_iter - 1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                                      HAS_MASK and KV_MODE == 1, HAS_BIAS,
-                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True)
+                                      local_m, _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False),
+                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                                      IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                      BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False)
+        if n_iter > 0:
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                                      local_m, _gathered_key_positions(n_iter - 1, keys, kept, seqlen_k, BLOCK_N, True),
+                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                                      IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
@@ -292,6 +330,8 @@ def attn_fwd_kernel(
     _store_rows(o_base, offs_m, seqlen_q, stride_os, offs_d, out.to(O.dtype.element_ty), HEAD_DIM)
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
+
+# ---------------------------------------------------------------------------------- backward
 
 @triton.jit(do_not_specialize=["seqlen_q", "stride_lb", "stride_lh"])
 def attn_bwd_delta_kernel(
@@ -327,15 +367,15 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-             CHECK: tl.constexpr):
-    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, CHECK)
-    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, CHECK)
+             CHECK: tl.constexpr, BOUNDS: tl.constexpr):
+    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
     bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
                                      k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
-                                     APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, False)
+                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
     s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, False)
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -343,7 +383,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
-                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq"])
+                               "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
+                               "stride_ik"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -356,14 +397,14 @@ def attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_cb, stride_ch, stride_cq,
-    stride_ib, stride_ih, stride_iq,
+    stride_ib, stride_ih, stride_iq, stride_ik,
     num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
 ):
-    """dq = scale * sum_j dS_ij k_j, query-block-major: walks keys exactly as the forward does."""
+    """dq = scale * sum_j dS_ij k_j, query-tile-major: walks keys exactly as the forward does."""
     m_block = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -402,26 +443,56 @@ def attn_bwd_dq_kernel(
                           it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
                           stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                           IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                          BIAS_K_BCAST, False)
+                          BIAS_K_BCAST, False, False)
         for it in range(n_full, n_iter):
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
                           it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
                           stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                           IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                          BIAS_K_BCAST, True)
+                          BIAS_K_BCAST, True, True)
+    elif KV_MODE == 1:
+        hl = h // list_head_div
+        counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
+        lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        n_full = tl.load(counts)
+        n_part = tl.load(counts + 1)
+        for it in range(0, n_full):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          tl.load(lists + it) * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
+                          stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
+                          HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                          MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False, False)
+        for it in range(0, n_part - 1):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          tl.load(lists + stride_ik + it) * BLOCK_N + offs_n, seqlen_q, seqlen_k,
+                          qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
+                          offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                          MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
+        if n_part > 0:
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          tl.load(lists + stride_ik + n_part - 1) * BLOCK_N + offs_n, seqlen_q,
+                          seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq,
+                          stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
+                          MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
     else:
         hl = h // list_head_div
-        list_count = LIST_COUNT + b64 * stride_cb + hl * stride_ch
-        list_index = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
-        kept_count = tl.load(list_count + m_block * stride_cq)
-        n_iter = _listed_trip_count(list_count, m_block, stride_cq, KV_MODE, BLOCK_N)
-        for it in range(0, n_iter):
-            k_pos = _listed_key_positions(it, list_index, kept_count, seqlen_k, KV_MODE, BLOCK_N)
+        kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
+        keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
+        n_iter = tl.cdiv(kept, BLOCK_N)
+        for it in range(0, n_iter - 1):
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          k_pos, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                          IS_CAUSAL, HAS_MASK and KV_MODE == 1, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                          BIAS_Q_BCAST, BIAS_K_BCAST, True)
+                          _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False),
+                          seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+                          stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
+                          HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
+                          IS_CAUSAL, False)
+        if n_iter > 0:
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+                          _gathered_key_positions(n_iter - 1, keys, kept, seqlen_k, BLOCK_N, True),
+                          seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+                          stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
+                          HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
+                          True, True)
 
     dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
     _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
@@ -445,23 +516,24 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
                BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-               HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, CHECK: tl.constexpr):
+               HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+               CHECK: tl.constexpr, BOUNDS: tl.constexpr):
     """One query tile against this program's key tile, in the transposed orientation (keys on
     rows): accumulates dk, dv, and writes or accumulates dbias."""
     offs_m = m_block * BLOCK_M + local_m
     q_ok = offs_m < seqlen_q
     block_q0 = tl.full([], 0, tl.int64) + m_block * BLOCK_M  # int64 before it meets the strides
-    # rows past the sequence read lse = +inf, so their probabilities are exactly 0
+    # query rows past the sequence read lse = +inf, so their probabilities are exactly 0
     q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(do_base, offs_m, seqlen_q, stride_dos, offs_d, HEAD_DIM, BLOCK_D, True)
     lse2 = tl.load(LSE + stat_base + offs_m, mask=q_ok, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + stat_base + offs_m, mask=q_ok, other=0.0)
     bias, keep = _load_bias_and_keep(mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
                                      local_m, k_pos, q_ok, k_ok, stride_mq, stride_mk, stride_bq,
-                                     stride_bk, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, True)
+                                     stride_bk, APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST,
+                                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, BOUNDS)
     s_t = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                       IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, True)
+                       IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, True)
     p_t = tl.math.exp2(s_t - lse2[None, :])
     dv += tl.dot(p_t.to(do.dtype), do)
     dp_t = tl.dot(v, tl.trans(do))
@@ -473,15 +545,18 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
             db_keys += tl.sum(ds_t, 1)
         elif BIAS_K_BCAST:
             _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds_t, 0), q_ok, DBIAS_ATOMIC)
-        else:
+        elif BOUNDS:
             _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
                          ds_t, q_ok[None, :] & k_ok[:, None], DBIAS_ATOMIC)
+        else:
+            _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
+                         ds_t, q_ok[None, :], DBIAS_ATOMIC)
     return dk, dv, db_keys
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "slot_stride_b",
                                "slot_stride_h", "slot_stride_n", "stride_cb", "stride_ch",
-                               "stride_cn", "stride_ib", "stride_ih", "stride_in"])
+                               "stride_cn", "stride_ib", "stride_ih", "stride_in", "stride_ik"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
@@ -497,7 +572,7 @@ def attn_bwd_dkdv_kernel(
     stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     slot_stride_b, slot_stride_h, slot_stride_n,
     stride_cb, stride_ch, stride_cn,
-    stride_ib, stride_ih, stride_in,
+    stride_ib, stride_ih, stride_in, stride_ik,
     num_heads, kv_group, mask_head_div, bias_head_div, list_head_div,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -524,9 +599,9 @@ def attn_bwd_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     local_m = tl.arange(0, BLOCK_M)
-    hl0 = (hk * kv_group) // list_head_div  # gather lists are constant over a group (host checks)
 
     if KV_MODE == 2:
+        hl0 = (hk * kv_group) // list_head_div  # gathered keys are one set per kv head (host checks)
         kept_total = tl.load(LIST_COUNT + b64 * stride_cb + hl0 * stride_ch)
         if n_block * BLOCK_N >= kept_total:
             return
@@ -534,12 +609,14 @@ def attn_bwd_dkdv_kernel(
         k_pos = tl.load(LIST_INDEX + b64 * stride_ib + hl0 * stride_ih + slot,
                         mask=slot < kept_total, other=0)
         k_pos = tl.where(slot < kept_total, k_pos, seqlen_k)
+        ragged = (n_block + 1) * BLOCK_N > kept_total
         first_key = tl.min(k_pos, 0)
-        last_key = seqlen_k  # gathered tiles are always checked
+        last_key = tl.max(tl.where(slot < kept_total, k_pos, 0), 0)
     else:
         if n_block * BLOCK_N >= seqlen_k:
             return
         k_pos = n_block * BLOCK_N + offs_n
+        ragged = (n_block + 1) * BLOCK_N > seqlen_k
         first_key = n_block * BLOCK_N
         last_key = first_key + BLOCK_N - 1
 
@@ -552,16 +629,15 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    # Query tiles [m_lo, m_full) need visibility checks (causal diagonal; all of them when this
-    # key tile is ragged or gathered); tiles from m_full on see every key of this tile.
+    # Dense and gathered walks: query tiles [m_lo, m_full) cross the causal diagonal and are
+    # checked; from m_full on, every row sees every key of this tile.
     n_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     m_lo = 0
     m_full = 0
     if IS_CAUSAL:
         shift = seqlen_k - seqlen_q
         m_lo = tl.maximum(first_key - shift, 0) // BLOCK_M
-        m_full = tl.cdiv(tl.maximum(last_key - shift, 0), BLOCK_M)
-    m_full = tl.where(last_key >= seqlen_k, n_m_blocks, tl.minimum(m_full, n_m_blocks))
+        m_full = tl.minimum(tl.cdiv(tl.maximum(last_key - shift, 0), BLOCK_M), n_m_blocks)
 
     for g in range(0, kv_group):
         h = hk * kv_group + g
@@ -576,16 +652,45 @@ def attn_bwd_dkdv_kernel(
         db_keys = tl.zeros([BLOCK_N], tl.float32)  # dbias summed over queries (Sq-broadcast bias)
         if KV_MODE == 1:
             hl = h // list_head_div
-            trip = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + n_block * stride_cn)
-            q_list = LIST_INDEX + b64 * stride_ib + hl * stride_ih + n_block * stride_in
-            for it in range(0, trip):
+            counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + n_block * stride_cn
+            lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + n_block * stride_in
+            n_full = tl.load(counts)
+            n_part = tl.load(counts + 1)
+            for it in range(0, n_full):  # (a ragged key tile is never listed as full)
                 dk, dv, db_keys = _dkdv_tile(
-                    dk, dv, db_keys, k, v, tl.load(q_list + it), q_base, do_base, LSE, DELTA,
+                    dk, dv, db_keys, k, v, tl.load(lists + it), q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False)
+            if ragged:
+                for it in range(0, n_part):
+                    dk, dv, db_keys = _dkdv_tile(
+                        dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
+                        LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
+                        local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
+                        stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
+                        HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True)
+            else:
+                for it in range(0, n_part):
+                    dk, dv, db_keys = _dkdv_tile(
+                        dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
+                        LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
+                        local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
+                        stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
+                        HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False)
+        elif ragged:
+            for m_block in range(m_lo, n_m_blocks):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
+                    stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
+                    seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True)
         else:
             for m_block in range(m_lo, m_full):
                 dk, dv, db_keys = _dkdv_tile(
@@ -594,7 +699,7 @@ def attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False)
             for m_block in range(tl.maximum(m_full, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
@@ -602,7 +707,7 @@ def attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:

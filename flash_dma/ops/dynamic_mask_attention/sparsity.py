@@ -4,14 +4,16 @@ Everything here is a handful of device-side torch ops on the mask (no host synch
 lists have fixed, worst-case shapes and carry their own counts, which the kernels read.
 
 Two list kinds (see kernels.py for how they are walked):
-- block lists: for each query block the key blocks holding a kept entry, ascending (and the
-  transpose, for the key-major backward pass). Causal visibility is folded in, so a tile that the
-  causal rule hides is skipped the same way as one the mask empties.
+- block lists: for each query tile the key tiles holding a kept entry, ascending (and the
+  transpose, for the key-major backward pass), split into full tiles (every entry kept and
+  visible: the kernel neither loads the mask nor checks anything) and partial ones. Causal
+  visibility is folded in, so a tile the causal rule hides is skipped like one the mask empties.
 - gathered keys (key-wise masks [B|1, H|Hk|1, 1, Sk]): the kept key positions, compacted and
   ascending, plus how many of them each query block may see under the causal rule.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -21,21 +23,25 @@ from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
 
 @dataclass
 class KeyWalk:
-    """How one kernel walks the key (or, key-major, the query) axis. See kernels.py."""
+    """How one kernel walks the key (or, key-major, the query) axis. See kernels.py.
+
+    Block lists: count [Bl, Hl, rows|1, 2] and index [Bl, Hl, rows|1, 2, n], kind 0 holding the
+    full tiles and kind 1 the partial ones. Gathered keys: count [Bl, Hl, rows|1] (key-major:
+    [Bl, Hl]) and index [Bl, Hl, Sk].
+    """
     mode: int
-    count: torch.Tensor  # int32 [Bl, Hl, blocks|1] (key-major gather: [Bl, Hl])
-    index: torch.Tensor  # int32 [Bl, Hl, blocks|1, n] (gather: [Bl, Hl, Sk])
+    count: torch.Tensor
+    index: torch.Tensor
     head_div: int  # query head h reads list head h // head_div
 
-    def count_strides(self) -> tuple[int, int, int]:
-        c = self.count
-        return _broadcast_stride(c, 0), _broadcast_stride(c, 1), (
-            _broadcast_stride(c, 2) if c.dim() > 2 else 0)
-
-    def index_strides(self) -> tuple[int, int, int]:
-        i = self.index
-        third = _broadcast_stride(i, 2) if (self.mode == KV_BLOCK_LIST) else 0
-        return _broadcast_stride(i, 0), _broadcast_stride(i, 1), third
+    def kernel_args(self) -> list[int]:
+        """Strides the kernels take: count (batch, head, row), index (batch, head, row, kind)."""
+        c, i = self.count, self.index
+        listed = self.mode == KV_BLOCK_LIST
+        return [_broadcast_stride(c, 0), _broadcast_stride(c, 1),
+                _broadcast_stride(c, 2) if c.dim() > 2 else 0,
+                _broadcast_stride(i, 0), _broadcast_stride(i, 1),
+                _broadcast_stride(i, 2) if listed else 0, i.stride(3) if listed else 0]
 
 
 def _broadcast_stride(t: torch.Tensor, dim: int) -> int:
@@ -57,8 +63,9 @@ def choose_mode(mask: torch.Tensor | None, num_heads: int, num_kv_heads: int) ->
     return KV_BLOCK_LIST
 
 
-def _blocks_any(mask: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    """Reduce `dim` of a bool tensor to one entry per block of `block` (any kept entry)."""
+def _blocks_reduce(mask: torch.Tensor, dim: int, block: int, reduce) -> torch.Tensor:
+    """Reduce `dim` of a bool tensor to one entry per block of `block` (torch.any or torch.all);
+    a ragged last block reduces over the entries it has."""
     size = mask.shape[dim]
     if size == 1:
         return mask
@@ -66,9 +73,9 @@ def _blocks_any(mask: torch.Tensor, dim: int, block: int) -> torch.Tensor:
     parts = []
     if full:
         head = mask.narrow(dim, 0, full * block)
-        parts.append(head.unflatten(dim, (full, block)).any(dim + 1))
+        parts.append(reduce(head.unflatten(dim, (full, block)), dim + 1))
     if size % block:
-        parts.append(mask.narrow(dim, full * block, size - full * block).any(dim, keepdim=True))
+        parts.append(reduce(mask.narrow(dim, full * block, size - full * block), dim, keepdim=True))
     return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
 
@@ -93,8 +100,8 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
                   key_major: bool, device: torch.device) -> KeyWalk:
     """Lists for one kernel's tile sizes. seqlen_q/k are the (max) lengths the mask is padded to."""
     if mode == KV_DENSE:
-        empty = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=device)
-        return KeyWalk(KV_DENSE, empty[..., 0], empty, 1)
+        unused = torch.zeros(1, 1, 1, 2, 1, dtype=torch.int32, device=device)
+        return KeyWalk(KV_DENSE, unused[..., 0], unused, 1)
 
     n_m = -(-seqlen_q // block_m)
     n_n = -(-seqlen_k // block_n)
@@ -121,19 +128,69 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
             count = count[..., None]
         return KeyWalk(KV_GATHER, count, index, head_div)
 
-    blocks = _blocks_any(_blocks_any(mask, 2, block_m), 3, block_n)  # [Bm, Hm, n_m|1, n_n|1]
+    any_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.any), 3, block_n, torch.any)
+    all_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.all), 3, block_n, torch.all)
+    first_key = torch.arange(n_n, device=device).view(1, 1, 1, -1) * block_n
+    last_key = first_key + block_n - 1
+    len_k4 = len_k.unsqueeze(-1)
+    # a tile is "full" when no check is needed at all: every entry kept, every key inside the
+    # sequence, every key visible to every row; tiles starting past the sequence are dropped
+    full = any_kept & all_kept & (last_key < len_k4)
+    partial = any_kept & (first_key < len_k4)
     if is_causal:
-        first_key = torch.arange(n_n, device=device) * block_n  # [n_n]
-        last_row = (torch.arange(n_m, device=device) + 1) * block_m - 1  # [n_m]
-        visible = first_key.view(1, 1, 1, -1) <= (last_row.view(1, 1, -1, 1)
-                                                   + causal_shift.unsqueeze(-1))
-        blocks = blocks & visible
-    rows = n_m if (key_major or blocks.shape[2] > 1) else 1
-    blocks = blocks.expand(blocks.shape[0], blocks.shape[1], rows, n_n)
+        first_row = torch.arange(n_m, device=device).view(1, 1, -1, 1) * block_m
+        shift = causal_shift.unsqueeze(-1)
+        full = full & (last_key <= first_row + shift)
+        partial = partial & (first_key <= first_row + block_m - 1 + shift)
+    partial = partial & ~full
+    rows = n_m if (key_major or full.shape[2] > 1 or partial.shape[2] > 1) else 1
+    shape = (max(full.shape[0], partial.shape[0]), full.shape[1], rows, n_n)
+    full, partial = full.expand(shape), partial.expand(shape)
     if key_major:
-        blocks = blocks.transpose(-1, -2)
-    count, index = _sorted_lists(blocks)
-    return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // blocks.shape[1])
+        full, partial = full.transpose(-1, -2), partial.transpose(-1, -2)
+    count, index = _sorted_lists(torch.stack([full, partial], dim=-2))
+    return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // shape[1])
+
+
+class _PlanCache:
+    """Key walks of recent masks, so that the forward, the backward and every layer that shares a
+    mask plan it once. Keyed by the mask object itself (a weak reference: a freed mask drops its
+    entry) and its version counter (an in-place change makes a new plan)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self.entries: dict[int, tuple] = {}
+
+    def get(self, mask: torch.Tensor, key: tuple, build):
+        try:
+            version = mask._version
+        except (RuntimeError, AttributeError):  # inference tensors carry no version counter
+            return build()
+        slot = self.entries.get(id(mask))
+        if slot is not None and slot[0]() is mask and slot[1] == version and key in slot[2]:
+            return slot[2][key]
+        if slot is None or slot[0]() is not mask or slot[1] != version:
+            if len(self.entries) >= self.capacity:
+                self.entries.pop(next(iter(self.entries)))
+            mask_id = id(mask)
+            ref = weakref.ref(mask, lambda _, mask_id=mask_id: self.entries.pop(mask_id, None))
+            slot = (ref, version, {})
+            self.entries[mask_id] = slot
+        plan = build()
+        slot[2][key] = plan
+        return plan
+
+
+_PLANS = _PlanCache()
+
+
+def cached_key_walk(mask: torch.Tensor | None, mode: int, **kw) -> KeyWalk:
+    """plan_key_walk, remembered per mask (fixed-length batches only: varlen plans depend on the
+    cu_seqlens values too)."""
+    if mask is None or mode == KV_DENSE or kw.get("cu_seqlens_q") is not None:
+        return plan_key_walk(mask, mode, **kw)
+    key = (mode, *sorted((k, v) for k, v in kw.items() if k not in ("cu_seqlens_q", "cu_seqlens_k")))
+    return _PLANS.get(mask, key, lambda: plan_key_walk(mask, mode, **kw))
 
 
 def topk_mask_from_bias(attn_bias: torch.Tensor, keep: int, *, is_causal: bool = False,
