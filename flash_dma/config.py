@@ -9,7 +9,7 @@ In Triton's CPU interpreter small tiles are used so that small test shapes still
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -25,6 +25,7 @@ class LaunchConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False  # Triton's automatic warp specialisation of the main loop
 
 
 INTERPRETER_CONFIG = LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
@@ -71,12 +72,12 @@ def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: in
     budget = info.shared_memory_per_block
     while estimate_shared_memory(kernel, cfg, block_d, elem_bytes) > budget:
         if cfg.num_stages > 1:
-            cfg = LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages - 1)
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif max(cfg.block_m, cfg.block_n) > 16:
             if cfg.block_m >= cfg.block_n:
-                cfg = LaunchConfig(cfg.block_m // 2, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                cfg = replace(cfg, block_m=cfg.block_m // 2)
             else:
-                cfg = LaunchConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+                cfg = replace(cfg, block_n=cfg.block_n // 2)
         else:
             break
     return cfg
@@ -86,7 +87,7 @@ def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int 
     cfg = _HOPPER_DEFAULTS[(kernel, min(block_d, 256))]
     if not info.is_hopper:
         # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
-        cfg = LaunchConfig(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2))
+        cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)
     return _fit_to_device(kernel, cfg, info, block_d, elem_bytes)
 
 

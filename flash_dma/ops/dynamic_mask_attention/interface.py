@@ -127,7 +127,7 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
         *pb.stat_strides(lse), *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
         pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
         walk.head_div,
-        **_constexprs(pb, cfg, mask, bias, mode),
+        **_constexprs(pb, cfg, mask, bias, mode), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, mode

@@ -230,6 +230,7 @@ def attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -261,7 +262,7 @@ def attn_fwd_kernel(
 
     if KV_MODE == 0:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        for it in range(0, n_full):
+        for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
                                       local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
                                       stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
@@ -682,8 +683,10 @@ def attn_bwd_dkdv_kernel(
                         stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
                         HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                         MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False)
-        elif ragged:
-            for m_block in range(m_lo, n_m_blocks):
+        else:
+            # a ragged key tile is checked against every query tile (keeps the loop count at two)
+            m_check = tl.where(ragged, n_m_blocks, m_full)
+            for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
@@ -691,16 +694,7 @@ def attn_bwd_dkdv_kernel(
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True)
-        else:
-            for m_block in range(m_lo, m_full):
-                dk, dv, db_keys = _dkdv_tile(
-                    dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
-                    stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
-                    seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
-                    IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False)
-            for m_block in range(tl.maximum(m_full, m_lo), n_m_blocks):
+            for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
