@@ -270,3 +270,16 @@ def test_mask_edited_in_place_is_replanned():
     check_against_reference(q, k, v, mask, None, False, dtype, grad=False)
     mask[:, :, :, :20] = False  # the cached tile lists are stale now
     check_against_reference(q, k, v, mask, None, False, dtype, grad=False)
+
+
+@pytest.mark.parametrize("key_rows", [False, True])
+def test_both_key_major_tile_orientations(key_rows, monkeypatch):
+    """The dk/dv kernel can hold its tile either way round; both must be exact."""
+    from flash_dma.ops.dynamic_mask_attention import kernels
+    monkeypatch.setattr(kernels, "DKDV_KEY_ROWS", {False: key_rows, True: key_rows})
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H, Hk = 2, 37, 41, 4, 2
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, Sq, Sk), (B, H, Sq, Sk))
+    check_against_reference(q, k, v, mask, bias, True, dtype)
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (1, H, 1, Sk))
+    check_against_reference(q, k, v, mask, bias, False, dtype)

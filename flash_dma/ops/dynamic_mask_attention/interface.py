@@ -239,6 +239,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode),
         HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
+        KEY_ROWS=kernels.dkdv_key_rows(bias is not None or mask is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -35,6 +35,14 @@ KV_DENSE = 0
 KV_BLOCK_LIST = 1
 KV_GATHER = 2
 
+# Orientation of the key-major backward tile, (without, with) a bias or mask to read: keys on
+# rows (True) or queries on rows (False). Measured on an H200: see bench/results/.
+DKDV_KEY_ROWS = {False: True, True: True}
+
+
+def dkdv_key_rows(reads_pairs: bool) -> bool:
+    return DKDV_KEY_ROWS[reads_pairs]
+
 
 @triton.jit
 def _sequence_span(cu_seqlens, b, fixed_len, IS_VARLEN: tl.constexpr):
@@ -518,9 +526,11 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
                BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
                HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
-               CHECK: tl.constexpr, BOUNDS: tl.constexpr):
-    """One query tile against this program's key tile, in the transposed orientation (keys on
-    rows): accumulates dk, dv, and writes or accumulates dbias."""
+               CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr):
+    """One query tile against this program's key tile: accumulates dk, dv, and writes or
+    accumulates dbias. KEY_ROWS computes the transposed tile (keys on rows: P^T and dS^T feed
+    the dk/dv products directly); otherwise queries are on rows, as bias and dbias lie in
+    memory, and P and dS are transposed into the products."""
     offs_m = m_block * BLOCK_M + local_m
     q_ok = offs_m < seqlen_q
     block_q0 = tl.full([], 0, tl.int64) + m_block * BLOCK_M  # int64 before it meets the strides
@@ -532,26 +542,39 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
     bias, keep = _load_bias_and_keep(mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
                                      local_m, k_pos, q_ok, k_ok, stride_mq, stride_mk, stride_bq,
                                      stride_bk, APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST,
-                                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, BOUNDS)
-    s_t = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                       IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, True)
-    p_t = tl.math.exp2(s_t - lse2[None, :])
-    dv += tl.dot(p_t.to(do.dtype), do)
-    dp_t = tl.dot(v, tl.trans(do))
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+                                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS)
+    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, KEY_ROWS)
+    if KEY_ROWS:  # [keys, queries]
+        p = tl.math.exp2(s - lse2[None, :])
+        dv += tl.dot(p.to(do.dtype), do)
+        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds.to(q.dtype), q)
+        q_axis = 1
+        qi = local_m[None, :]
+        kj = k_pos[:, None]
+        tile_ok = q_ok[None, :]
+        tile_ok_bounds = q_ok[None, :] & k_ok[:, None]
+    else:  # [queries, keys]
+        p = tl.math.exp2(s - lse2[:, None])
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        q_axis = 0
+        qi = local_m[:, None]
+        kj = k_pos[None, :]
+        tile_ok = q_ok[:, None]
+        tile_ok_bounds = q_ok[:, None] & k_ok[None, :]
     if HAS_DBIAS:
         db_tile = dbias_head + block_q0 * stride_dbq
         if BIAS_Q_BCAST:
-            db_keys += tl.sum(ds_t, 1)
+            db_keys += tl.sum(ds, q_axis)
         elif BIAS_K_BCAST:
-            _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds_t, 0), q_ok, DBIAS_ATOMIC)
+            _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds, 1 - q_axis), q_ok, DBIAS_ATOMIC)
         elif BOUNDS:
-            _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
-                         ds_t, q_ok[None, :] & k_ok[:, None], DBIAS_ATOMIC)
+            _write_dbias(db_tile + qi * stride_dbq + kj * stride_dbk, ds, tile_ok_bounds, DBIAS_ATOMIC)
         else:
-            _write_dbias(db_tile + local_m[None, :] * stride_dbq + k_pos[:, None] * stride_dbk,
-                         ds_t, q_ok[None, :], DBIAS_ATOMIC)
+            _write_dbias(db_tile + qi * stride_dbq + kj * stride_dbk, ds, tile_ok, DBIAS_ATOMIC)
     return dk, dv, db_keys
 
 
@@ -579,7 +602,7 @@ def attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
-    HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, KEY_ROWS: tl.constexpr,
 ):
     """dk, dv (and dbias) for one key tile of one kv head, summed over the heads of its group.
 
@@ -664,7 +687,7 @@ def attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS)
             if ragged:
                 for it in range(0, n_part):
                     dk, dv, db_keys = _dkdv_tile(
@@ -673,7 +696,7 @@ def attn_bwd_dkdv_kernel(
                         local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                         stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
                         HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True)
+                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
             else:
                 for it in range(0, n_part):
                     dk, dv, db_keys = _dkdv_tile(
@@ -682,7 +705,7 @@ def attn_bwd_dkdv_kernel(
                         local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                         stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
                         HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False)
+                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS)
         else:
             # a ragged key tile is checked against every query tile (keeps the loop count at two)
             m_check = tl.where(ragged, n_m_blocks, m_full)
@@ -693,7 +716,7 @@ def attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
             for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
@@ -701,7 +724,7 @@ def attn_bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
