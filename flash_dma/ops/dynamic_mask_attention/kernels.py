@@ -305,9 +305,9 @@ def attn_fwd_kernel(
                                       stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                                       IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
                                       BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
-        if n_part > 0:
+        for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, tl.load(lists + stride_ik + n_part - 1) * BLOCK_N + offs_n,
+                                      local_m, tl.load(lists + stride_ik + it) * BLOCK_N + offs_n,
                                       seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
                                       stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                                       IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
@@ -324,9 +324,9 @@ def attn_fwd_kernel(
                                       stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                                       IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
                                       BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False)
-        if n_iter > 0:
+        for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, _gathered_key_positions(n_iter - 1, keys, kept, seqlen_k, BLOCK_N, True),
+                                      local_m, _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True),
                                       seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
                                       stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
                                       IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
@@ -477,9 +477,9 @@ def attn_bwd_dq_kernel(
                           qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
                           offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                           MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
-        if n_part > 0:
+        for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          tl.load(lists + stride_ik + n_part - 1) * BLOCK_N + offs_n, seqlen_q,
+                          tl.load(lists + stride_ik + it) * BLOCK_N + offs_n, seqlen_q,
                           seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq,
                           stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
                           MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
@@ -495,9 +495,9 @@ def attn_bwd_dq_kernel(
                           stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
                           HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
                           IS_CAUSAL, False)
-        if n_iter > 0:
+        for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          _gathered_key_positions(n_iter - 1, keys, kept, seqlen_k, BLOCK_N, True),
+                          _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True),
                           seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
                           stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
                           HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
@@ -662,6 +662,9 @@ def attn_bwd_dkdv_kernel(
         shift = seqlen_k - seqlen_q
         m_lo = tl.maximum(first_key - shift, 0) // BLOCK_M
         m_full = tl.minimum(tl.cdiv(tl.maximum(last_key - shift, 0), BLOCK_M), n_m_blocks)
+    # a ragged key tile is checked against every query tile. Loop bounds are settled here, outside
+    # the head loop: Triton fuses the nested loops only when their bounds are invariant.
+    m_check = tl.where(ragged, n_m_blocks, m_full)
 
     for g in range(0, kv_group):
         h = hk * kv_group + g
@@ -688,27 +691,25 @@ def attn_bwd_dkdv_kernel(
                     stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS)
-            if ragged:
-                for it in range(0, n_part):
-                    dk, dv, db_keys = _dkdv_tile(
-                        dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
-                        LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
-                        local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
-                        stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                        HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
-            else:
-                for it in range(0, n_part):
-                    dk, dv, db_keys = _dkdv_tile(
-                        dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
-                        LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
-                        local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
-                        stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                        HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                        MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS)
+            # partial tiles are bounds-checked only when this key tile is ragged
+            n_lean = tl.where(ragged, 0, n_part)
+            for it in range(0, n_lean):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
+                    LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
+                    local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
+                    stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS)
+            for it in range(n_lean, n_part):
+                dk, dv, db_keys = _dkdv_tile(
+                    dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
+                    LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
+                    local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
+                    stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
         else:
-            # a ragged key tile is checked against every query tile (keeps the loop count at two)
-            m_check = tl.where(ragged, n_m_blocks, m_full)
             for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
