@@ -24,8 +24,8 @@ C = config.LaunchConfig
 CANDIDATES = {
     "attn_fwd": [C(128, 64, 8, 3), C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 128, 8, 3),
                  C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 32, 8, 3), C(64, 128, 4, 2)],
-    "attn_bwd_dkdv": [C(64, 128, 8, 2), C(64, 128, 8, 3), C(32, 128, 8, 2), C(64, 64, 4, 2),
-                      C(32, 64, 4, 3), C(128, 128, 8, 1), C(64, 128, 4, 2), C(32, 128, 4, 3)],
+    "attn_bwd_dkdv": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 64, 4, 3), C(32, 64, 4, 3),
+                      C(128, 64, 8, 2), C(64, 128, 8, 2), C(32, 128, 8, 2), C(128, 32, 4, 2)],
     "attn_bwd_dq": [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 3), C(64, 64, 4, 3),
                     C(64, 128, 8, 2), C(128, 128, 8, 2), C(64, 32, 4, 3), C(128, 64, 4, 2)],
 }
@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
     parser.add_argument("--variants", nargs="+", default=["bias", "plain"])
     parser.add_argument("--out", default="tuning-summary.json")
+    parser.add_argument("--kernels", nargs="+", default=list(CANDIDATES))
+    parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
     summary = {"environment": environment(), "results": []}
     for d in args.head_dims:
@@ -48,7 +50,8 @@ def main():
                     if variant == "bias" else None)
             leaves = [q, k, v] + ([bias] if bias is not None else [])
             dout = torch.randn_like(q)
-            for kernel, cands in CANDIDATES.items():
+            for kernel in args.kernels:
+                cands = CANDIDATES[kernel]
                 real_select = interface.select_config
 
                 def time_config(cfg, kernel=kernel):
@@ -56,9 +59,9 @@ def main():
                         return cfg if name == kernel else real_select(name, *a, **kw)
                     interface.select_config = pick
                     try:
-                        out = flash_dma_func(q, k, v, attn_bias=bias)
+                        out = flash_dma_func(q, k, v, attn_bias=bias, is_causal=args.causal)
                         if kernel == "attn_fwd":
-                            return time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias))
+                            return time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias, is_causal=args.causal))
                         return time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
                     finally:
                         interface.select_config = real_select
@@ -72,8 +75,11 @@ def main():
                     timings[str(cfg)] = ms
                     return ms
                 best = config.tune(kernel, q.device, d, torch.bfloat16, variant, recorder, fits)
-                row = {"kernel": kernel, "head_dim": d, "variant": variant, "best": best.__dict__,
-                       "timings_ms": timings}
+                from flash_dma.ops.dynamic_mask_attention import kernels as K
+                fn = getattr(K, kernel + "_kernel")
+                spills = sorted({ck.n_spills for ck in fn.device_caches[q.device.index or 0][0].values()})
+                row = {"kernel": kernel, "head_dim": d, "variant": variant, "causal": args.causal,
+                       "best": best.__dict__, "timings_ms": timings, "spills_seen": spills}
                 print(json.dumps(row), flush=True)
                 summary["results"].append(row)
             del q, k, v, bias, leaves
