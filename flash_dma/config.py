@@ -36,19 +36,22 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-# Hopper defaults, keyed by (kernel, padded head dim). Measured by bench/tune_attention.py on an
-# H100/H200; the sweep's results live in bench/results/. `variant` does not enter here.
-_HOPPER_DEFAULTS: dict[tuple[str, int], LaunchConfig] = {
+# Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
+# the variant ("bias" or "plain") changes the winner. From the sweeps of bench/tune_attention.py on
+# an H200, 2026-11-21 (bench/results/tune-*.json). The key-major backward is register-bound: at
+# head dim 128 its two fp32 accumulators fill the register file unless the key tile stays small.
+_HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),
     ("attn_fwd", 32): LaunchConfig(128, 64, 4, 3),
     ("attn_fwd", 64): LaunchConfig(128, 64, 4, 3),
     ("attn_fwd", 128): LaunchConfig(128, 64, 8, 3),
     ("attn_fwd", 256): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dkdv", 16): LaunchConfig(64, 128, 8, 2),
-    ("attn_bwd_dkdv", 32): LaunchConfig(64, 128, 8, 2),
-    ("attn_bwd_dkdv", 64): LaunchConfig(64, 128, 8, 2),
-    ("attn_bwd_dkdv", 128): LaunchConfig(64, 128, 8, 2),
-    ("attn_bwd_dkdv", 256): LaunchConfig(64, 64, 8, 1),
+    ("attn_bwd_dkdv", 16): LaunchConfig(64, 64, 4, 2),
+    ("attn_bwd_dkdv", 32): LaunchConfig(64, 64, 4, 2),
+    ("attn_bwd_dkdv", 64): LaunchConfig(64, 64, 4, 2),
+    ("attn_bwd_dkdv", 64, "bias"): LaunchConfig(64, 64, 4, 3),
+    ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
+    ("attn_bwd_dkdv", 256): LaunchConfig(64, 64, 8, 2),
     ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 64): LaunchConfig(128, 64, 8, 2),
@@ -83,8 +86,10 @@ def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: in
     return cfg
 
 
-def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int = 2) -> LaunchConfig:
-    cfg = _HOPPER_DEFAULTS[(kernel, min(block_d, 256))]
+def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int = 2,
+                   variant: str = "") -> LaunchConfig:
+    d = min(block_d, 256)
+    cfg = _HOPPER_DEFAULTS.get((kernel, d, variant)) or _HOPPER_DEFAULTS[(kernel, d)]
     if not info.is_hopper:
         # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)
@@ -104,7 +109,7 @@ def select_config(kernel: str, device: torch.device, head_dim: int, dtype: torch
     hit = tuning_cache.lookup(cache_key(kernel, info, block_d, dtype, variant))
     if hit is not None:
         return LaunchConfig(**hit)
-    return default_config(kernel, info, block_d, torch.empty((), dtype=dtype).element_size())
+    return default_config(kernel, info, block_d, torch.empty((), dtype=dtype).element_size(), variant)
 
 
 def candidate_configs(kernel: str, block_d: int) -> list[LaunchConfig]:
