@@ -223,21 +223,27 @@ def run_case(case: AttnCase, notes: list[str], progress=None) -> list[Row]:
             p_fwd, p_bwd, p_out, p_grads = _measure(PEERS[peer], case, x)
         except Exception as exc:  # noqa: BLE001 - a peer refusing a configuration is a result
             msg = f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
-            rows.append(Row(f"{case.label} fwd", peer, None, our_fwd, note=msg, flops=case.flops(False)))
-            rows.append(Row(f"{case.label} bwd", peer, None, our_bwd, note=msg, flops=case.flops(True)))
+            rows.append(Row(f"{case.label} fwd", peer, None, our_fwd, note=msg, flops=case.flops(False),
+                            seqlen=case.S, direction="fwd"))
+            rows.append(Row(f"{case.label} bwd", peer, None, our_bwd, note=msg, flops=case.flops(True),
+                            seqlen=case.S, direction="bwd"))
             continue
         if peer.startswith("ours"):  # another call of ours on another mask: nothing to compare
             fa = fr = ba = br = None
         else:
             fa, fr = compare(our_out, p_out)
             ba, br = _grad_compare(our_grads, p_grads)
-        rows.append(Row(f"{case.label} fwd", peer, p_fwd, our_fwd, fa, fr, case.flops(False)))
-        rows.append(Row(f"{case.label} bwd", peer, p_bwd, our_bwd, ba, br, case.flops(True)))
+        rows.append(Row(f"{case.label} fwd", peer, p_fwd, our_fwd, fa, fr, case.flops(False),
+                        seqlen=case.S, direction="fwd"))
+        rows.append(Row(f"{case.label} bwd", peer, p_bwd, our_bwd, ba, br, case.flops(True),
+                        seqlen=case.S, direction="bwd"))
         if progress:
             progress()
     if not case.peers:
-        rows.append(Row(f"{case.label} fwd", "-", None, our_fwd, flops=case.flops(False)))
-        rows.append(Row(f"{case.label} bwd", "-", None, our_bwd, flops=case.flops(True)))
+        rows.append(Row(f"{case.label} fwd", "-", None, our_fwd, flops=case.flops(False),
+                        seqlen=case.S, direction="fwd"))
+        rows.append(Row(f"{case.label} bwd", "-", None, our_bwd, flops=case.flops(True),
+                        seqlen=case.S, direction="bwd"))
     del x
     torch.cuda.empty_cache()
     return rows
@@ -265,7 +271,10 @@ def sections(quick: bool) -> list[tuple[str, list[AttnCase]]]:
         AttnCase("B1 H16 S16384 D128 top-1024 keys bias[B,H,1,S]", 1, 16, 16384, 128, bias="key",
                  mask="topk-1024", peers=("ours-no-mask",) if quick else ("ours-no-mask", "flex")),
     ]
+    sweep = [AttnCase(f"B{16384 // S} H16 S{S} D128 bias[B,H,S,S]", 16384 // S, 16, S, 128, bias="full",
+                      peers=("flex",)) for S in ((1024, 4096) if quick else (1024, 2048, 4096, 8192))]
     return [("attention with a trainable bias (dq, dk, dv, dbias)", biased),
+            ("sequence-length sweep, tokens per batch fixed at 16384", sweep),
             ("softmax attention, no mask, no bias", plain),
             ("sparsity: masked vs unmasked, and vs FlexAttention's BlockMask", sparse)]
 

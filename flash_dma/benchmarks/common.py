@@ -27,6 +27,8 @@ class Row:
     flops: float | None = None  # work of one call, for TFLOP/s
     bytes: float | None = None  # bytes moved by one call, for GB/s
     note: str = ""
+    seqlen: int | None = None  # for the throughput-against-length plot
+    direction: str = ""  # "fwd" / "bwd"
 
     @property
     def speedup(self) -> float | None:
@@ -128,10 +130,49 @@ def format_report(title: str, env: dict, sections: Sequence[Section]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, title: str, env: dict, sections: Sequence[Section]) -> None:
-    data = {"title": title, "environment": env, "sections": [
+def write_json(path: str, title: str, env: dict, sections: Sequence[Section],
+               notes: Sequence[str] = ()) -> None:
+    data = {"title": title, "environment": env, "notes": list(notes), "sections": [
         {"title": s.title, "rows": [{**asdict(r), "speedup": r.speedup} for r in s.rows],
          "geomean_speedup": {p: s.geomean_speedup(p) for p in sorted({r.peer for r in s.rows if r.speedup})}}
         for s in sections]}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+
+
+def write_plot(path: str, title: str, env: dict, sections: Sequence[Section]) -> bool:
+    """PNG of throughput against sequence length, ours beside each peer; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for s in sections for r in s.rows if r.seqlen and r.flops and r.direction]
+    directions = sorted({r.direction for r in rows})
+    fig, axes = plt.subplots(1, max(len(directions), 1), figsize=(6 * max(len(directions), 1), 4.5),
+                             squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        series: dict[str, dict[int, float]] = {}
+        for r in rows:
+            if r.direction != direction:
+                continue
+            if r.ours_ms:
+                series.setdefault("flash-dma", {})[r.seqlen] = r.flops / r.ours_ms / 1e9
+            if r.peer_ms:
+                series.setdefault(r.peer, {})[r.seqlen] = r.flops / r.peer_ms / 1e9
+        for name, points in sorted(series.items()):
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name,
+                    linewidth=2.5 if name == "flash-dma" else 1.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{direction}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{title} - {env.get('device')}, {env.get('date')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
