@@ -550,7 +550,6 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds.to(q.dtype), q)
-        q_axis = 1
         qi = local_m[None, :]
         kj = k_pos[:, None]
         tile_ok = q_ok[None, :]
@@ -560,7 +559,6 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        q_axis = 0
         qi = local_m[:, None]
         kj = k_pos[None, :]
         tile_ok = q_ok[:, None]
@@ -568,9 +566,9 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
     if HAS_DBIAS:
         db_tile = dbias_head + block_q0 * stride_dbq
         if BIAS_Q_BCAST:
-            db_keys += tl.sum(ds, q_axis)
+            db_keys += tl.sum(ds, 1 if KEY_ROWS else 0)
         elif BIAS_K_BCAST:
-            _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds, 1 - q_axis), q_ok, DBIAS_ATOMIC)
+            _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds, 0 if KEY_ROWS else 1), q_ok, DBIAS_ATOMIC)
         elif BOUNDS:
             _write_dbias(db_tile + qi * stride_dbq + kj * stride_dbk, ds, tile_ok_bounds, DBIAS_ATOMIC)
         else:
