@@ -51,12 +51,12 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_bwd_dkdv", 64): LaunchConfig(64, 64, 4, 2),
     ("attn_bwd_dkdv", 64, "bias"): LaunchConfig(64, 64, 4, 3),
     ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
-    ("attn_bwd_dkdv", 256): LaunchConfig(64, 64, 8, 2),
+    ("attn_bwd_dkdv", 256): LaunchConfig(32, 64, 8, 2),
     ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 64): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 128): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dq", 256): LaunchConfig(64, 64, 8, 1),
+    ("attn_bwd_dq", 256): LaunchConfig(64, 32, 4, 3),
 }
 
 

@@ -119,11 +119,11 @@ def flex(case: AttnCase, x: Inputs):
     if _FLEX_COMPILED is None:
         # every case is a new specialisation; past Dynamo's default limit (8) flex_attention
         # would silently fall back to its slow eager path and the comparison would be wrong
-        import torch._dynamo
+        import torch._dynamo as dynamo  # (not "import torch._dynamo": that would make torch local)
         for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 256))
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     (q, k, v), bias = _leaves(x, True, True)
     dout = x.dout.transpose(1, 2).contiguous()
