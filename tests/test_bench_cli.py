@@ -92,3 +92,12 @@ def test_no_gpu_path_checks_in_the_interpreter_and_exits_0():
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA GPU" in proc.stdout
     assert "attention: relative error" in proc.stdout and "(ok)" in proc.stdout
+
+
+def test_json_round_trip(tmp_path):
+    from flash_dma.benchmarks.common import load_json
+    path = tmp_path / "r.json"
+    write_json(str(path), "t", ENV, synthetic_sections(), ["n"])
+    title, env, sections, notes = load_json(str(path))
+    assert title == "t" and env == ENV and notes == ["n"]
+    assert sections[0].rows == synthetic_sections()[0].rows

@@ -148,7 +148,9 @@ def write_plot(path: str, title: str, env: dict, sections: Sequence[Section]) ->
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for s in sections for r in s.rows if r.seqlen and r.flops and r.direction]
+    # only sections that sweep the length: elsewhere one length holds many unrelated configurations
+    swept = [s for s in sections if len({r.seqlen for r in s.rows if r.seqlen and r.flops}) > 1]
+    rows = [r for s in swept for r in s.rows if r.seqlen and r.flops and r.direction]
     directions = sorted({r.direction for r in rows})
     fig, axes = plt.subplots(1, max(len(directions), 1), figsize=(6 * max(len(directions), 1), 4.5),
                              squeeze=False)
@@ -171,8 +173,18 @@ def write_plot(path: str, title: str, env: dict, sections: Sequence[Section]) ->
         ax.set_title(f"{direction}")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{title} - {env.get('device')}, {env.get('date')}")
+    fig.suptitle(f"{', '.join(s.title for s in swept)}\n{env.get('device')}, {env.get('date')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def load_json(path: str) -> tuple[str, dict, list[Section], list[str]]:
+    """Read back what write_json wrote (to re-plot or compare saved runs)."""
+    with open(path) as f:
+        data = json.load(f)
+    fields = set(Row.__dataclass_fields__)
+    sections = [Section(s["title"], [Row(**{k: v for k, v in r.items() if k in fields}) for r in s["rows"]])
+                for s in data["sections"]]
+    return data["title"], data["environment"], sections, data.get("notes", [])
