@@ -188,6 +188,40 @@ def _store_rows(base, pos, limit, stride_s, offs_d, value, HEAD_DIM: tl.constexp
     tl.store(ptrs, value, mask=(pos[:, None] < limit) & (offs_d[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _query_tile_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN: tl.constexpr):
+    """Who this program is in a query-tile-major grid (query tile, batch or sequence x head), and
+    where its sequence lies: (m_block, b as int64, h, kv head, q row0, Sq, k row0, Sk)."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    return m_block, b.to(tl.int64), h, h // kv_group, q_row0, seqlen_q, k_row0, seqlen_k
+
+
+@triton.jit
+def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+                     seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+                     stride_bq, stride_bk, offs_d,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
+                     MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr,
+                     BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr, BOUNDS: tl.constexpr):
+    """Query-major step shared by the forward and dq: load a key tile (k, v, bias, mask) and
+    return (k, v, scores in log2 units with hidden keys at -inf)."""
+    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+    bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
+                                     k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
+                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
+    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
+                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
+    return k, v, s
+
+
 # ----------------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -199,14 +233,11 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
               MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
               CHECK: tl.constexpr, BOUNDS: tl.constexpr):
     """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
-    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
-    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
-    bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
-                                     k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
-                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
-    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
+    k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+                               seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                               stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     # exp2(-inf - (-inf)) never makes a NaN
@@ -240,17 +271,10 @@ def attn_fwd_kernel(
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // kv_group
-    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
-    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
     if m_block * BLOCK_M >= seqlen_q:
         return
-    b64 = b.to(tl.int64)
-
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -377,14 +401,11 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_
              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
              CHECK: tl.constexpr, BOUNDS: tl.constexpr):
-    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
-    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
-    bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
-                                     k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
-                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
-    s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
-                     IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
+    k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+                               seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                               stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
+                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -414,17 +435,10 @@ def attn_bwd_dq_kernel(
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
 ):
     """dq = scale * sum_j dS_ij k_j, query-tile-major: walks keys exactly as the forward does."""
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // kv_group
-    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
-    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
     if m_block * BLOCK_M >= seqlen_q:
         return
-    b64 = b.to(tl.int64)
-
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
