@@ -283,3 +283,20 @@ def test_both_key_major_tile_orientations(key_rows, monkeypatch):
     check_against_reference(q, k, v, mask, bias, True, dtype)
     q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (1, H, 1, Sk))
     check_against_reference(q, k, v, mask, bias, False, dtype)
+
+
+@pytest.mark.parametrize("layout", ["fused-qkv", "token-sliced"])
+def test_strided_kv_layouts(layout):
+    """k/v as views: a fused qkv projection (described for the tensor-memory accelerator as is)
+    and token slices of longer buffers (not describable: the kernels fall back to pointers)."""
+    dtype = DTYPES[-1]
+    B, S, H, D = 2, 37, 2, 32
+    if layout == "fused-qkv":
+        qkv = torch.randn(B, S, 3, H, D, device=DEVICE, dtype=dtype)
+        q, k, v = qkv.unbind(2)
+    else:
+        q = torch.randn(B, S, H, D, device=DEVICE, dtype=dtype)
+        k = torch.randn(B, S + 9, H, D, device=DEVICE, dtype=dtype)[:, 4:4 + S]
+        v = torch.randn(B, S + 9, H, D, device=DEVICE, dtype=dtype)[:, 2:2 + S]
+    bias = torch.randn(B, H, S, S, device=DEVICE, dtype=dtype)
+    check_against_reference(q, k, v, None, bias, True, dtype)

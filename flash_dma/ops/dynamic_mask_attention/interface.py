@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ...config import LaunchConfig, head_dim_block, select_config
+from ...hardware import device_info
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
@@ -118,8 +121,9 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
     dummy = lse  # any tensor: pointer arguments the kernel never reads
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     grid = (_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
+    k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
     kernels.attn_fwd_kernel[grid](
-        q, k, v, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        q, k, v, k_desc, v_desc, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
         pb.cu_q if pb.is_varlen else dummy, pb.cu_k if pb.is_varlen else dummy,
         walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
@@ -127,10 +131,36 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
         *pb.stat_strides(lse), *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
         pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
         walk.head_div,
-        **_constexprs(pb, cfg, mask, bias, mode), WARP_SPECIALIZE=cfg.warp_specialize,
+        **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
+        WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, mode
+
+
+def _kv_descriptors(pb: _Problem, k: torch.Tensor, v: torch.Tensor, cfg: LaunchConfig):
+    """Tensor-memory-accelerator descriptors over [tokens, Hk, D] views of k and v, for the
+    kernels' whole interior key tiles; (None, None) where the device has no TMA (before Hopper)
+    or the layout cannot be described (a batch stride that is not Sk token strides, strides or
+    base not 16-byte aligned)."""
+    if k.device.type == "cuda" and device_info(k.device).arch < 90:
+        return None, None
+    tokens = k.shape[0] if pb.is_varlen else pb.batch * pb.seqlen_k
+    if tokens == 0:
+        return None, None
+    descs = []
+    for t in (k, v):
+        token_stride, head_stride = t.stride(-3), t.stride(-2)
+        if not pb.is_varlen and t.stride(0) != pb.seqlen_k * token_stride and pb.batch > 1:
+            return None, None
+        if (token_stride * t.element_size()) % 16 or (head_stride * t.element_size()) % 16 \
+                or t.data_ptr() % 16:
+            return None, None
+        view = t.as_strided((tokens, pb.num_kv_heads, pb.head_dim), (token_stride, head_stride, 1))
+        descs.append(TensorDescriptor(view, [tokens, pb.num_kv_heads, pb.head_dim],
+                                      [token_stride, head_stride, 1],
+                                      [cfg.block_n, 1, head_dim_block(pb.head_dim)]))
+    return descs[0], descs[1]
 
 
 def _head_div(pb: _Problem, t: torch.Tensor | None) -> int:
@@ -261,15 +291,17 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
                          key_major=False, device=q.device)
     dq = torch.empty_like(q)
+    k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
     kernels.attn_bwd_dq_kernel[(_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)](
-        q, k, v, dout, dq, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        q, k, v, k_desc, v_desc, dout, dq, lse, delta, _pair_args(mask_u8, dummy),
+        _pair_args(bias, dummy),
         cu_q, cu_k, walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
         *pb.row_strides(dq), *pb.stat_strides(lse),
         *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
         pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
-        **_constexprs(pb, cfg, mask, bias, mode),
+        **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq

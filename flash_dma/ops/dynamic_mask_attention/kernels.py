@@ -204,15 +204,22 @@ def _query_tile_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_
 @triton.jit
 def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-                     stride_bq, stride_bk, offs_d,
+                     stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row, hk,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
                      MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr,
-                     BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr, BOUNDS: tl.constexpr):
+                     BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr, BOUNDS: tl.constexpr,
+                     USE_DESC: tl.constexpr):
     """Query-major step shared by the forward and dq: load a key tile (k, v, bias, mask) and
-    return (k, v, scores in log2 units with hidden keys at -inf)."""
-    k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
-    v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+    return (k, v, scores in log2 units with hidden keys at -inf). USE_DESC: k and v come by the
+    tensor-memory accelerator (contiguous whole tiles only), from row desc_row of a
+    [tokens, Hk, D] descriptor."""
+    if USE_DESC:
+        k = k_desc.load([desc_row, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
+        v = v_desc.load([desc_row, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
+    else:
+        k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
+        v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
     bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
                                      k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
                                      APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
@@ -226,18 +233,19 @@ def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
-              seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-              stride_bq, stride_bk, offs_d,
+              desc_row, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+              stride_bq, stride_bk, offs_d, k_desc, v_desc, hk,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
               APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
               MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-              CHECK: tl.constexpr, BOUNDS: tl.constexpr):
+              CHECK: tl.constexpr, BOUNDS: tl.constexpr, USE_DESC: tl.constexpr):
     """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                               stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS)
+                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row,
+                               hk, HEAD_DIM, BLOCK_D, IS_CAUSAL, APPLY_MASK, HAS_BIAS,
+                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, CHECK,
+                               BOUNDS, USE_DESC)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     # exp2(-inf - (-inf)) never makes a NaN
@@ -253,7 +261,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
                                "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
                                "stride_ik"])
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    Q, K, V, K_DESC, V_DESC, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -269,7 +277,7 @@ def attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    KV_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
@@ -292,22 +300,22 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
+    k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
     if KV_MODE == 0:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
         for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
-                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
-                                      False, False)
+                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
         for it in range(n_full, n_iter):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
-                                      stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-                                      offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                                      MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
-                                      True, True)
+                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
     elif KV_MODE == 1:
         hl = h // list_head_div
         counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
@@ -315,46 +323,46 @@ def attn_fwd_kernel(
         n_full = tl.load(counts)
         n_part = tl.load(counts + 1)
         for it in range(0, n_full):
+            k_start = tl.load(lists + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, tl.load(lists + it) * BLOCK_N + offs_n, seqlen_q,
-                                      seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-                                      stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                                      HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                                      BIAS_K_BCAST, False, False)
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
         # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
         for it in range(0, n_part - 1):
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, tl.load(lists + stride_ik + it) * BLOCK_N + offs_n,
-                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                                      IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, KV_DESC)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, tl.load(lists + stride_ik + it) * BLOCK_N + offs_n,
-                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                                      IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
     else:
         hl = h // list_head_div
         kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
         keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
         n_iter = tl.cdiv(kept, BLOCK_N)
         for it in range(0, n_iter - 1):
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False),
-                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                                      IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                      BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False)
+                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                                      local_m, _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True),
-                                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                                      stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                                      IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                      BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
+                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
@@ -395,17 +403,18 @@ def attn_bwd_delta_kernel(
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
-             seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-             stride_bq, stride_bk, offs_d,
+             desc_row, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
+             stride_bq, stride_bk, offs_d, k_desc, v_desc, hk,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-             CHECK: tl.constexpr, BOUNDS: tl.constexpr):
+             CHECK: tl.constexpr, BOUNDS: tl.constexpr, USE_DESC: tl.constexpr):
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                               stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS)
+                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row,
+                               hk, HEAD_DIM, BLOCK_D, IS_CAUSAL, APPLY_MASK, HAS_BIAS,
+                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, CHECK,
+                               BOUNDS, USE_DESC)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -416,7 +425,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_
                                "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
                                "stride_ik"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -433,6 +442,7 @@ def attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
+    KV_DESC: tl.constexpr,
 ):
     """dq = scale * sum_j dS_ij k_j, query-tile-major: walks keys exactly as the forward does."""
     m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
@@ -459,20 +469,22 @@ def attn_bwd_dq_kernel(
     qk_scale = softmax_scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
+    k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
     if KV_MODE == 0:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
         for it in range(0, n_full):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                          IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                          BIAS_K_BCAST, False, False)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
         for it in range(n_full, n_iter):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          it * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                          stride_mq, stride_mk, stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D,
-                          IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                          BIAS_K_BCAST, True, True)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
     elif KV_MODE == 1:
         hl = h // list_head_div
         counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
@@ -480,42 +492,46 @@ def attn_bwd_dq_kernel(
         n_full = tl.load(counts)
         n_part = tl.load(counts + 1)
         for it in range(0, n_full):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          tl.load(lists + it) * BLOCK_N + offs_n, seqlen_q, seqlen_k, qk_scale,
-                          stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
-                          HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                          MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False, False)
+            k_start = tl.load(lists + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
+        # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
         for it in range(0, n_part - 1):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          tl.load(lists + stride_ik + it) * BLOCK_N + offs_n, seqlen_q, seqlen_k,
-                          qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-                          offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                          MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, False)
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, KV_DESC)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          tl.load(lists + stride_ik + it) * BLOCK_N + offs_n, seqlen_q,
-                          seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq,
-                          stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
-                          MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True)
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
     else:
         hl = h // list_head_div
         kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
         keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
         n_iter = tl.cdiv(kept, BLOCK_N)
         for it in range(0, n_iter - 1):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False),
-                          seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-                          stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
-                          HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
-                          IS_CAUSAL, False)
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
-                          _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True),
-                          seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-                          stride_bq, stride_bk, offs_d, HEAD_DIM, BLOCK_D, IS_CAUSAL, False,
-                          HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST,
-                          True, True)
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
+                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
+                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
 
     dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
     _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
