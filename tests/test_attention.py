@@ -300,3 +300,18 @@ def test_strided_kv_layouts(layout):
         v = torch.randn(B, S + 9, H, D, device=DEVICE, dtype=dtype)[:, 2:2 + S]
     bias = torch.randn(B, H, S, S, device=DEVICE, dtype=dtype)
     check_against_reference(q, k, v, None, bias, True, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Sq,Sk", [(37, 48), (29, 40)])
+def test_bias_tiles_by_descriptor(Sq, Sk, causal):
+    """Sk a multiple of 8 makes the bias describable for the tensor-memory accelerator: whole
+    tiles come by descriptor (in all three kernels), the ragged ones by pointers."""
+    dtype = DTYPES[-1]
+    B, H, Hk = 2, 4, 2
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (B, H, Sq, Sk))
+    check_against_reference(q, k, v, None, bias, causal, dtype)  # dq from dS (dense walk)
+    mask = random_mask((B, Hk, Sq, Sk), density=1.0)
+    check_against_reference(q, k, v, mask, bias, causal, dtype)  # block lists: dq kernel too
+    q, k, v, _, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (1, Hk, Sq, Sk))
+    check_against_reference(q, k, v, None, bias, causal, dtype)  # shared bias: atomics

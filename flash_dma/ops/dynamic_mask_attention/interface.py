@@ -122,8 +122,9 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     grid = (_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
     k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
+    b_desc = _bias_descriptor(bias, cfg)
     kernels.attn_fwd_kernel[grid](
-        q, k, v, k_desc, v_desc, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        q, k, v, k_desc, v_desc, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy), b_desc,
         pb.cu_q if pb.is_varlen else dummy, pb.cu_k if pb.is_varlen else dummy,
         walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
@@ -132,7 +133,7 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
         pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
         walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
-        WARP_SPECIALIZE=cfg.warp_specialize,
+        BIAS_DESC=b_desc is not None, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, mode
@@ -161,6 +162,25 @@ def _kv_descriptors(pb: _Problem, k: torch.Tensor, v: torch.Tensor, cfg: LaunchC
                                       [token_stride, head_stride, 1],
                                       [cfg.block_n, 1, head_dim_block(pb.head_dim)]))
     return descs[0], descs[1]
+
+
+def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig):
+    """A descriptor over a bias that varies along both queries and keys, serving whole
+    [block_m, block_n] tiles; None where there is no TMA or the layout cannot be described
+    (an expanded dim with stride 0, a row stride not 16-byte aligned, as for odd Sk)."""
+    if bias is None or bias.shape[2] == 1 or bias.shape[3] == 1:
+        return None
+    if bias.device.type == "cuda" and device_info(bias.device).arch < 90:
+        return None
+    shape, strides = list(bias.shape), list(bias.stride())
+    if strides[3] != 1 or bias.data_ptr() % 16:
+        return None
+    for d in (2, 1, 0):
+        if shape[d] == 1:  # never stepped along: give it the packed stride so alignment holds
+            strides[d] = strides[d + 1] * shape[d + 1]
+        if strides[d] == 0 or (strides[d] * bias.element_size()) % 16:
+            return None
+    return TensorDescriptor(bias, shape, strides, [1, 1, cfg.block_m, cfg.block_n])
 
 
 def _head_div(pb: _Problem, t: torch.Tensor | None) -> int:
@@ -257,8 +277,10 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     db_buf = db_plan.buffer if db_plan is not None else dummy
     db_strides = _pair_strides(db_plan.buffer[0] if db_plan and db_plan.slotted else db_buf) \
         if db_plan is not None else (0, 0, 0, 0)
+    b_desc = _bias_descriptor(bias, cfg)
     kernels.attn_bwd_dkdv_kernel[(n_key_programs, pb.batch * pb.num_kv_heads)](
         q, k, v, dout, dk, dv, db_buf, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
+        b_desc,
         cu_q, cu_k, walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
@@ -270,7 +292,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         **_constexprs(pb, cfg, mask, bias, mode),
         HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
         KEY_ROWS=kernels.dkdv_key_rows(bias is not None or mask is not None),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BIAS_DESC=b_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     if _dq_from_stored_ds(pb, q, bias, db_plan, mode):
@@ -292,9 +314,10 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
                          key_major=False, device=q.device)
     dq = torch.empty_like(q)
     k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
+    b_desc = _bias_descriptor(bias, cfg)
     kernels.attn_bwd_dq_kernel[(_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)](
         q, k, v, k_desc, v_desc, dout, dq, lse, delta, _pair_args(mask_u8, dummy),
-        _pair_args(bias, dummy),
+        _pair_args(bias, dummy), b_desc,
         cu_q, cu_k, walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
@@ -302,7 +325,7 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
         *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
         pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BIAS_DESC=b_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq
 

@@ -94,18 +94,23 @@ def _load_pair_tile(base, q_idx, k_idx, stride_q, stride_k, q_ok, k_ok, other,
 
 @triton.jit
 def _load_bias_and_keep(mask_base, bias_base, q_local, k_pos, q_ok, k_ok,
-                        stride_mq, stride_mk, stride_bq, stride_bk,
+                        stride_mq, stride_mk, stride_bq, stride_bk, bias_desc, bias_b, bias_h, q0, k0,
                         APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                         MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
                         BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-                        KEY_ROWS: tl.constexpr, BOUNDS: tl.constexpr):
+                        KEY_ROWS: tl.constexpr, BOUNDS: tl.constexpr, BIAS_BY_DESC: tl.constexpr):
     """The bias and keep-mask tiles of one (query, key) tile. Issued before the tile's first dot so
-    that their memory latency hides behind the matrix work."""
+    that their memory latency hides behind the matrix work. BIAS_BY_DESC: a whole [M, N] bias
+    tile at (q0, k0) comes by the tensor-memory accelerator (asynchronous, pipelined)."""
     bias = 0.0
     keep = 1
     if HAS_BIAS:
-        bias = _load_pair_tile(bias_base, q_local, k_pos, stride_bq, stride_bk, q_ok, k_ok, 0.0,
-                               BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS)
+        if BIAS_BY_DESC:
+            tile = bias_desc.load([bias_b, bias_h, q0, k0]).reshape(q_local.shape[0], k_pos.shape[0])
+            bias = tl.trans(tile) if KEY_ROWS else tile
+        else:
+            bias = _load_pair_tile(bias_base, q_local, k_pos, stride_bq, stride_bk, q_ok, k_ok, 0.0,
+                                   BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS)
     if APPLY_MASK:
         keep = _load_pair_tile(mask_base, q_local, k_pos, stride_mq, stride_mk, q_ok, k_ok, 0,
                                MASK_Q_BCAST, MASK_K_BCAST, KEY_ROWS, BOUNDS)
@@ -204,26 +209,28 @@ def _query_tile_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_
 @triton.jit
 def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-                     stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row, hk,
+                     stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start, k_tok0, hk,
+                     bias_desc, bias_b, bias_h, q0,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
                      MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr,
                      BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr, BOUNDS: tl.constexpr,
-                     USE_DESC: tl.constexpr):
+                     CONTIG: tl.constexpr, KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr):
     """Query-major step shared by the forward and dq: load a key tile (k, v, bias, mask) and
-    return (k, v, scores in log2 units with hidden keys at -inf). USE_DESC: k and v come by the
-    tensor-memory accelerator (contiguous whole tiles only), from row desc_row of a
-    [tokens, Hk, D] descriptor."""
-    if USE_DESC:
-        k = k_desc.load([desc_row, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
-        v = v_desc.load([desc_row, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
+    return (k, v, scores in log2 units with hidden keys at -inf). CONTIG: the tile is whole keys
+    k_start.. inside the sequence, so the descriptors (when the host made them) can serve it:
+    k and v from row k_tok0 + k_start of a [tokens, Hk, D] view, the bias at (q0, k_start)."""
+    if KV_DESC and CONTIG:
+        k = k_desc.load([k_tok0 + k_start, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
+        v = v_desc.load([k_tok0 + k_start, hk, 0]).reshape(k_pos.shape[0], BLOCK_D)
     else:
         k = _load_rows(k_base, k_pos, seqlen_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
         v = _load_rows(v_base, k_pos, seqlen_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, BOUNDS)
     bias, keep = _load_bias_and_keep(mask_base, bias_base, local_m, k_pos, offs_m < seqlen_q,
                                      k_pos < seqlen_k, stride_mq, stride_mk, stride_bq, stride_bk,
+                                     bias_desc, bias_b, bias_h, q0, k_start,
                                      APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS)
+                                     BIAS_Q_BCAST, BIAS_K_BCAST, False, BOUNDS, BIAS_DESC and CONTIG)
     s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
                      IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, False)
     return k, v, s
@@ -233,19 +240,22 @@ def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
-              desc_row, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-              stride_bq, stride_bk, offs_d, k_desc, v_desc, hk,
+              k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+              stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, hk, bias_desc, bias_b,
+              bias_h, q0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
               APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
               MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-              CHECK: tl.constexpr, BOUNDS: tl.constexpr, USE_DESC: tl.constexpr):
+              CHECK: tl.constexpr, BOUNDS: tl.constexpr, CONTIG: tl.constexpr,
+              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr):
     """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row,
-                               hk, HEAD_DIM, BLOCK_D, IS_CAUSAL, APPLY_MASK, HAS_BIAS,
-                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, CHECK,
-                               BOUNDS, USE_DESC)
+                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start,
+                               k_tok0, hk, bias_desc, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D,
+                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS, CONTIG, KV_DESC,
+                               BIAS_DESC)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     # exp2(-inf - (-inf)) never makes a NaN
@@ -261,7 +271,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
                                "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
                                "stride_ik"])
 def attn_fwd_kernel(
-    Q, K, V, K_DESC, V_DESC, O, LSE, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    Q, K, V, K_DESC, V_DESC, O, LSE, MASK, BIAS, B_DESC, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -277,7 +287,7 @@ def attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
-    KV_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
@@ -302,20 +312,24 @@ def attn_fwd_kernel(
 
     # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
     k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
+    # the bias tile's coordinates in its own [B|1, heads, Sq, Sk] descriptor
+    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
+    bias_h = h // bias_head_div
+    q0 = m_block * BLOCK_M
     if KV_MODE == 0:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
         for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
         for it in range(n_full, n_iter):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
     elif KV_MODE == 1:
         hl = h // list_head_div
         counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
@@ -325,25 +339,25 @@ def attn_fwd_kernel(
         for it in range(0, n_full):
             k_start = tl.load(lists + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
         # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
         for it in range(0, n_part - 1):
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, KV_DESC)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
     else:
         hl = h // list_head_div
         kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
@@ -352,17 +366,17 @@ def attn_fwd_kernel(
         for it in range(0, n_iter - 1):
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False)
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
@@ -403,18 +417,21 @@ def attn_bwd_delta_kernel(
 
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
-             desc_row, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
-             stride_bq, stride_bk, offs_d, k_desc, v_desc, hk,
+             k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+             stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, hk, bias_desc, bias_b,
+             bias_h, q0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
-             CHECK: tl.constexpr, BOUNDS: tl.constexpr, USE_DESC: tl.constexpr):
+             CHECK: tl.constexpr, BOUNDS: tl.constexpr, CONTIG: tl.constexpr,
+              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr):
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
-                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, desc_row,
-                               hk, HEAD_DIM, BLOCK_D, IS_CAUSAL, APPLY_MASK, HAS_BIAS,
-                               MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, CHECK,
-                               BOUNDS, USE_DESC)
+                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start,
+                               k_tok0, hk, bias_desc, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D,
+                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS, CONTIG, KV_DESC,
+                               BIAS_DESC)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -425,7 +442,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_
                                "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
                                "stride_ik"])
 def attn_bwd_dq_kernel(
-    Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, MASK, BIAS, B_DESC, CU_Q, CU_K, LIST_COUNT,
+    LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -442,7 +460,7 @@ def attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
-    KV_DESC: tl.constexpr,
+    KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr,
 ):
     """dq = scale * sum_j dS_ij k_j, query-tile-major: walks keys exactly as the forward does."""
     m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
@@ -471,20 +489,24 @@ def attn_bwd_dq_kernel(
 
     # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
     k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
+    # the bias tile's coordinates in its own [B|1, heads, Sq, Sk] descriptor
+    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
+    bias_h = h // bias_head_div
+    q0 = m_block * BLOCK_M
     if KV_MODE == 0:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
         for it in range(0, n_full):
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
         for it in range(n_full, n_iter):
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, k_tok0 + it * BLOCK_N, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
     elif KV_MODE == 1:
         hl = h // list_head_div
         counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
@@ -494,25 +516,25 @@ def attn_bwd_dq_kernel(
         for it in range(0, n_full):
             k_start = tl.load(lists + it) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, KV_DESC)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
         # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
         for it in range(0, n_part - 1):
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, KV_DESC)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_tok0 + k_start, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
     else:
         hl = h // list_head_div
         kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
@@ -521,17 +543,17 @@ def attn_bwd_dq_kernel(
         for it in range(0, n_iter - 1):
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False)
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
             dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
-                stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk, HEAD_DIM,
-                BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False)
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
 
     dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
     _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
@@ -550,13 +572,14 @@ def _write_dbias(ptr, value, ok, DBIAS_ATOMIC: tl.constexpr):
 def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat_base,
                mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-               stride_bq, stride_bk, stride_dbq, stride_dbk,
+               stride_bq, stride_bk, stride_dbq, stride_dbk, bias_desc, bias_b, bias_h, k0,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
                BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
                HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
-               CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr):
+               CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr,
+               BIAS_BY_DESC: tl.constexpr):
     """One query tile against this program's key tile: accumulates dk, dv, and writes or
     accumulates dbias. KEY_ROWS computes the transposed tile (keys on rows: P^T and dS^T feed
     the dk/dv products directly); otherwise queries are on rows, as bias and dbias lie in
@@ -571,8 +594,10 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
     delta = tl.load(DELTA + stat_base + offs_m, mask=q_ok, other=0.0)
     bias, keep = _load_bias_and_keep(mask_head + block_q0 * stride_mq, bias_head + block_q0 * stride_bq,
                                      local_m, k_pos, q_ok, k_ok, stride_mq, stride_mk, stride_bq,
-                                     stride_bk, APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST,
-                                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS)
+                                     stride_bk, bias_desc, bias_b, bias_h, m_block * BLOCK_M, k0,
+                                     APPLY_MASK and CHECK, HAS_BIAS, MASK_Q_BCAST,
+                                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, KEY_ROWS, BOUNDS,
+                                     BIAS_BY_DESC)
     s = _scores_log2(q, k, bias, keep, offs_m, k_pos, seqlen_q, seqlen_k, qk_scale,
                      IS_CAUSAL, APPLY_MASK, HAS_BIAS, CHECK, BOUNDS, KEY_ROWS)
     if KEY_ROWS:  # [keys, queries]
@@ -610,7 +635,7 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                                "slot_stride_h", "slot_stride_n", "stride_cb", "stride_ch",
                                "stride_cn", "stride_ib", "stride_ih", "stride_in", "stride_ik"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, B_DESC, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -631,6 +656,7 @@ def attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, KEY_ROWS: tl.constexpr,
+    BIAS_DESC: tl.constexpr,
 ):
     """dk, dv (and dbias) for one key tile of one kv head, summed over the heads of its group.
 
@@ -678,6 +704,8 @@ def attn_bwd_dkdv_kernel(
                    stride_vs, offs_d, HEAD_DIM, BLOCK_D, True)
     k_ok = k_pos < seqlen_k
     qk_scale = softmax_scale * LOG2E
+    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)  # bias descriptor coordinates
+    k0 = n_block * BLOCK_N
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -701,6 +729,7 @@ def attn_bwd_dkdv_kernel(
         stat_base = b64 * stride_lb + h * stride_lh + q_row0
         mask_head = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh
         bias_head = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh
+        bias_h = h // bias_head_div
         dbias_head = (DBIAS + b64 * stride_dbb + (h // bias_head_div) * stride_dbh
                       + (b64 * slot_stride_b + (h % bias_head_div) * slot_stride_h
                          + n_block * slot_stride_n))
@@ -716,9 +745,11 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, tl.load(lists + it), q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
+                    BIAS_DESC and KV_MODE != 2)
             # partial tiles are bounds-checked only when this key tile is ragged
             n_lean = tl.where(ragged, 0, n_part)
             for it in range(0, n_lean):
@@ -727,33 +758,39 @@ def attn_bwd_dkdv_kernel(
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS)
+                    B_DESC, bias_b, bias_h, k0, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS,
+                    BIAS_DESC and KV_MODE != 2)
             for it in range(n_lean, n_part):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
-                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
+                    B_DESC, bias_b, bias_h, k0, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
+                    False)
         else:
             for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
+                    False)
             for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
-                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS)
+                    BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
+                    BIAS_DESC and KV_MODE != 2)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
