@@ -230,8 +230,8 @@ def test_gpu_one_compilation_serves_every_length():
         q, k, v, mask, bias = make_inputs(2, S, S, 4, 4, 72, dtype, None, (2, 4, S, S))
         flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
     # lengths are not specialised; the bias strides may take Triton's "divisible by 16" variant
-    # or not (S % 16, S * S % 16)
-    assert len(cache) - before <= 3, f"{len(cache) - before} compilations for 6 lengths"
+    # or not (S % 16, S * S % 16), and the bias comes by descriptor only when S % 8 == 0
+    assert len(cache) - before <= 4, f"{len(cache) - before} compilations for 6 lengths"
 
 
 @pytest.mark.gpu
