@@ -26,6 +26,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     warp_specialize: bool = False  # Triton's automatic warp specialisation of the main loop
+    exp2_poly: bool = False  # half of the softmax exponentials on the FMA pipe (triton_math.py)
 
 
 INTERPRETER_CONFIG = LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)

@@ -133,7 +133,7 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
         pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
         walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
-        BIAS_DESC=b_desc is not None, WARP_SPECIALIZE=cfg.warp_specialize,
+        BIAS_DESC=b_desc is not None, WARP_SPECIALIZE=cfg.warp_specialize, EXP2_POLY=cfg.exp2_poly,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, mode

@@ -28,6 +28,8 @@ Offsets that can pass 2^31 (token rows times strides) are computed in int64.
 import triton
 import triton.language as tl
 
+from ...triton_math import exp2_split
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -247,7 +249,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
               APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
               MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
               CHECK: tl.constexpr, BOUNDS: tl.constexpr, CONTIG: tl.constexpr,
-              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr):
+              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, EXP2_POLY: tl.constexpr):
     """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
@@ -260,7 +262,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, lo
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
     # exp2(-inf - (-inf)) never makes a NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = exp2_split(s - m_safe[:, None], EXP2_POLY)
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -288,6 +290,7 @@ def attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
     KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EXP2_POLY: tl.constexpr,
 ):
     m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
@@ -323,13 +326,15 @@ def attn_fwd_kernel(
                 local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
         for it in range(n_full, n_iter):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
     elif KV_MODE == 1:
         hl = h // list_head_div
         counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
@@ -342,7 +347,8 @@ def attn_fwd_kernel(
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
         # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
         for it in range(0, n_part - 1):
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
@@ -350,14 +356,16 @@ def attn_fwd_kernel(
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
     else:
         hl = h // list_head_div
         kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
@@ -369,14 +377,16 @@ def attn_fwd_kernel(
                 local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
                 B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
-                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
