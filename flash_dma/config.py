@@ -33,8 +33,10 @@ INTERPRETER_CONFIG = LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stage
 
 
 def head_dim_block(head_dim: int) -> int:
-    """Head dims are padded to a power of two (at least 16) inside the kernels."""
-    return max(16, triton.next_power_of_2(head_dim))
+    """Head dims are padded to a power of two (at least 16) inside the kernels. (Plain integer
+    arithmetic: this runs on every call, and triton.next_power_of_2 goes through Triton's JIT
+    dispatch.)"""
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
