@@ -36,8 +36,7 @@ def test_tuning_cache_roundtrip_and_log(tmp_path, monkeypatch):
     assert best == candidates[1]
     tuning_cache.forget_memory()  # a later process reads the file
     key = config.cache_key("attn_fwd", info, 128, torch.bfloat16, "plain")
-    assert tuning_cache.lookup(key) == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2,
-                                        "warp_specialize": False}
+    assert config.LaunchConfig(**tuning_cache.lookup(key)) == candidates[1]
     log = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
     assert len(log) == 3 and log[2]["error"] == "RuntimeError"
     tuning_cache.forget_memory()
