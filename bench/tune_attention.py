@@ -85,7 +85,7 @@ def main():
                        "best": best.__dict__, "timings_ms": timings, "spills_seen": spills}
                 print(json.dumps(row), flush=True)
                 summary["results"].append(row)
-            del q, k, v, bias, leaves
+            q = k = v = bias = leaves = dout = None  # free before the next shape
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

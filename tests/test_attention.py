@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, ON_GPU
+from conftest import DEVICE, DTYPES
 from helpers import assert_close, assert_lse_close
 from flash_dma import flash_dma_func, flash_dma_varlen_func
 from flash_dma.ops.dynamic_mask_attention import attention_reference, attention_varlen_reference

@@ -6,7 +6,6 @@ dbias), ours and the peer in the same process, and the outputs are compared.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
