@@ -196,6 +196,19 @@ def _store_rows(base, pos, limit, stride_s, offs_d, value, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _query_tile_program(CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN: tl.constexpr):
+    """Who this program is in a query-tile-major grid (query tile, batch or sequence x head), and
+    where its sequence lies: (m_block, b as int64, h, kv head, q row0, Sq, k row0, Sk)."""
+    m_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
+    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    return m_block, b.to(tl.int64), h, h // kv_group, q_row0, seqlen_q, k_row0, seqlen_k
+
+
+@triton.jit
 def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                      seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq, stride_mk,
                      stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start, k_tok0, hk,
@@ -225,21 +238,19 @@ def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k
     return k, v, s
 
 
-# ------------------------------------------------------------------ query-major: forward and dq
+# ----------------------------------------------------------------------------------- forward
 
 @triton.jit
-def _query_tile_step(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base,
-                     offs_m, local_m, k_pos, k_start, k_tok0, seqlen_q, seqlen_k, qk_scale,
-                     stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
-                     k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
-                     MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr,
-                     BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr, BOUNDS: tl.constexpr,
-                     CONTIG: tl.constexpr, KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr,
-                     EXP2_POLY: tl.constexpr, IS_DQ: tl.constexpr):
-    """One key tile of a query-major pass. Forward: online-softmax update of (acc, running max,
-    running sum). IS_DQ: acc += dS k with P recomputed from the saved lse (m_i, l_i pass through)."""
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+              k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+              stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, hk, bias_desc, bias_b,
+              bias_h, q0,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
+              MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+              CHECK: tl.constexpr, BOUNDS: tl.constexpr, CONTIG: tl.constexpr,
+              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, EXP2_POLY: tl.constexpr):
+    """One key tile of the forward: online-softmax update of (acc, running max, running sum)."""
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
                                stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start,
@@ -247,148 +258,15 @@ def _query_tile_step(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_bas
                                IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
                                BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS, CONTIG, KV_DESC,
                                BIAS_DESC)
-    if IS_DQ:
-        p = tl.math.exp2(s - lse2[:, None])
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        return acc + tl.dot(ds.to(k.dtype), k), m_i, l_i
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
-        # exp2(-inf - (-inf)) never makes a NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = exp2_split(s - m_safe[:, None], EXP2_POLY)
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return acc, m_new, l_i
-
-
-@triton.jit
-def _walk_keys(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-               local_m, offs_n, k_tok0, m_block, b64, h, seqlen_q, seqlen_k, qk_scale,
-               stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
-               K_DESC, V_DESC, hk, B_DESC, bias_b, bias_h, q0, LIST_COUNT, LIST_INDEX,
-               stride_cb, stride_ch, stride_cq, stride_ib, stride_ih, stride_iq, stride_ik,
-               list_head_div,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-               HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
-               BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
-               KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               EXP2_POLY: tl.constexpr, IS_DQ: tl.constexpr):
-    """Walk the key axis of one query tile (see KV_MODE above), applying _query_tile_step to each
-    key tile with the lightest checks that tile allows. Shared by the forward and dq kernels."""
-    if KV_MODE == 0:
-        n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-        for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-        for it in range(n_full, n_iter):
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-    elif KV_MODE == 1:
-        hl = h // list_head_div
-        counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
-        lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
-        n_full = tl.load(counts)
-        n_part = tl.load(counts + 1)
-        for it in range(0, n_full):
-            k_start = tl.load(lists + it) * BLOCK_N
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-        # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
-        for it in range(0, n_part - 1):
-            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-        for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
-            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-    else:
-        hl = h // list_head_div
-        kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
-        keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
-        n_iter = tl.cdiv(kept, BLOCK_N)
-        for it in range(0, n_iter - 1):
-            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-        for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
-            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
-            acc, m_i, l_i = _query_tile_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks,
-                stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
-                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS,
-                MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False,
-                KV_DESC, BIAS_DESC, EXP2_POLY, IS_DQ)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _query_tile_setup(Q, K, V, MASK, BIAS, CU_Q, CU_K, seqlen_q, seqlen_k,
-                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, stride_mb, stride_mh, stride_mq,
-                      stride_bb, stride_bh, stride_bq, num_heads, kv_group, mask_head_div,
-                      bias_head_div, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Everything a query-major program needs before its walk: who it is (tile, batch or
-    sequence, head), where its rows are, its q tile, and the bases and descriptor coordinates
-    of its k, v, mask and bias."""
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // kv_group
-    q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
-    k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
-    b64 = b.to(tl.int64)
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    block_q0 = (m_block * BLOCK_M).to(tl.int64)
-    q = _load_rows(Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs, offs_m, seqlen_q,
-                   stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
-    k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
-    v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
-    mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
-    bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
-    # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
-    k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
-    # the bias tile's coordinates in its own [B|1, heads, Sq, Sk] descriptor
-    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
-    return (m_block, b64, h, hk, q_row0, seqlen_q, seqlen_k, offs_m, q, k_base, v_base,
-            mask_base, bias_base, k_tok0, bias_b, h // bias_head_div)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so that
+    # exp2(-inf - (-inf)) never makes a NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = exp2_split(s - m_safe[:, None], EXP2_POLY)
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
@@ -414,33 +292,107 @@ def attn_fwd_kernel(
     KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     EXP2_POLY: tl.constexpr,
 ):
-    (m_block, b64, h, hk, q_row0, seqlen_q, seqlen_k, offs_m, q, k_base, v_base, mask_base,
-     bias_base, k_tok0, bias_b, bias_h) = _query_tile_setup(
-        Q, K, V, MASK, BIAS, CU_Q, CU_K, seqlen_q, seqlen_k, stride_qb, stride_qs, stride_qh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_mb, stride_mh,
-        stride_mq, stride_bb, stride_bh, stride_bq, num_heads, kv_group, mask_head_div,
-        bias_head_div, HEAD_DIM, BLOCK_D, BLOCK_M, IS_VARLEN)
+    m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
     if m_block * BLOCK_M >= seqlen_q:
         return
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_base = Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
+    block_q0 = (m_block * BLOCK_M).to(tl.int64)
+    mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
+    bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
+
+    q = _load_rows(q_base, offs_m, seqlen_q, stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
+    qk_scale = softmax_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, m_i, l_i = _walk_keys(
-        acc, m_i, l_i, q, q, m_i, l_i, k_base, v_base, mask_base, bias_base, offs_m,
-        tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), k_tok0, m_block, b64, h, seqlen_q, seqlen_k,
-        softmax_scale * LOG2E, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-        tl.arange(0, BLOCK_D), K_DESC, V_DESC, hk, B_DESC, bias_b, bias_h, m_block * BLOCK_M,
-        LIST_COUNT, LIST_INDEX, stride_cb, stride_ch, stride_cq, stride_ib, stride_ih, stride_iq,
-        stride_ik, list_head_div, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK,
-        HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, KV_MODE, KV_DESC,
-        BIAS_DESC, WARP_SPECIALIZE, EXP2_POLY, False)
+
+    # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
+    k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
+    # the bias tile's coordinates in its own [B|1, heads, Sq, Sk] descriptor
+    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
+    bias_h = h // bias_head_div
+    q0 = m_block * BLOCK_M
+    if KV_MODE == 0:
+        n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+        for it in range(n_full, n_iter):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+    elif KV_MODE == 1:
+        hl = h // list_head_div
+        counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
+        lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        n_full = tl.load(counts)
+        n_part = tl.load(counts + 1)
+        for it in range(0, n_full):
+            k_start = tl.load(lists + it) * BLOCK_N
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+        # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
+        for it in range(0, n_part - 1):
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+        for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+    else:
+        hl = h // list_head_div
+        kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
+        keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
+        n_iter = tl.cdiv(kept, BLOCK_N)
+        for it in range(0, n_iter - 1):
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
+        for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC,
+                EXP2_POLY)
 
     empty_row = l_i == 0.0
     out = acc / tl.where(empty_row, 1.0, l_i)[:, None]
     lse = tl.where(empty_row, float("inf"), (m_i + tl.math.log2(l_i)) * LN2)
     o_base = O + b64 * stride_ob + h * stride_oh + q_row0 * stride_os
-    _store_rows(o_base, offs_m, seqlen_q, stride_os, tl.arange(0, BLOCK_D), out.to(O.dtype.element_ty),
-                HEAD_DIM)
+    _store_rows(o_base, offs_m, seqlen_q, stride_os, offs_d, out.to(O.dtype.element_ty), HEAD_DIM)
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
 
@@ -473,6 +425,29 @@ def attn_bwd_delta_kernel(
     tl.store(DELTA + b64 * stride_lb + h * stride_lh + q_row0 + offs_m, delta, mask=offs_m < seqlen_q)
 
 
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+             k_start, k_tok0, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+             stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, hk, bias_desc, bias_b,
+             bias_h, q0,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr,
+             MASK_K_BCAST: tl.constexpr, BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
+             CHECK: tl.constexpr, BOUNDS: tl.constexpr, CONTIG: tl.constexpr,
+              KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr):
+    k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
+                               seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
+                               stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start,
+                               k_tok0, hk, bias_desc, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D,
+                               IS_CAUSAL, APPLY_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                               BIAS_Q_BCAST, BIAS_K_BCAST, CHECK, BOUNDS, CONTIG, KV_DESC,
+                               BIAS_DESC)
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lb", "stride_lh", "stride_cb",
                                "stride_ch", "stride_cq", "stride_ib", "stride_ih", "stride_iq",
                                "stride_ik"])
@@ -498,30 +473,97 @@ def attn_bwd_dq_kernel(
     KV_DESC: tl.constexpr, BIAS_DESC: tl.constexpr,
 ):
     """dq = scale * sum_j dS_ij k_j, query-tile-major: walks keys exactly as the forward does."""
-    (m_block, b64, h, hk, q_row0, seqlen_q, seqlen_k, offs_m, q, k_base, v_base, mask_base,
-     bias_base, k_tok0, bias_b, bias_h) = _query_tile_setup(
-        Q, K, V, MASK, BIAS, CU_Q, CU_K, seqlen_q, seqlen_k, stride_qb, stride_qs, stride_qh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_mb, stride_mh,
-        stride_mq, stride_bb, stride_bh, stride_bq, num_heads, kv_group, mask_head_div,
-        bias_head_div, HEAD_DIM, BLOCK_D, BLOCK_M, IS_VARLEN)
+    m_block, b64, h, hk, q_row0, seqlen_q, k_row0, seqlen_k = _query_tile_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, num_heads, kv_group, IS_VARLEN)
     if m_block * BLOCK_M >= seqlen_q:
         return
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_row0 * stride_ks
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_row0 * stride_vs
+    block_q0 = (m_block * BLOCK_M).to(tl.int64)
+    mask_base = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh + block_q0 * stride_mq
+    bias_base = BIAS + b64 * stride_bb + (h // bias_head_div) * stride_bh + block_q0 * stride_bq
+
+    q = _load_rows(Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs, offs_m, seqlen_q,
+                   stride_qs, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(DO + b64 * stride_dob + h * stride_doh + q_row0 * stride_dos, offs_m, seqlen_q,
                     stride_dos, offs_d, HEAD_DIM, BLOCK_D, True)
     row_stat = b64 * stride_lb + h * stride_lh + q_row0 + offs_m
     lse2 = tl.load(LSE + row_stat, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + row_stat, mask=offs_m < seqlen_q, other=0.0)
+    qk_scale = softmax_scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq, _, _ = _walk_keys(
-        dq, lse2, delta, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
-        tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), k_tok0, m_block, b64, h, seqlen_q, seqlen_k,
-        softmax_scale * LOG2E, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk,
-        offs_d, K_DESC, V_DESC, hk, B_DESC, bias_b, bias_h, m_block * BLOCK_M,
-        LIST_COUNT, LIST_INDEX, stride_cb, stride_ch, stride_cq, stride_ib, stride_ih, stride_iq,
-        stride_ik, list_head_div, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK,
-        HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, KV_MODE, KV_DESC,
-        BIAS_DESC, False, False, True)
+
+    # first key row of this sequence in K/V seen as [tokens, Hk, D] (the descriptors' view)
+    k_tok0 = (k_row0 + b64 * seqlen_k).to(tl.int32) if not IS_VARLEN else k_row0.to(tl.int32)
+    # the bias tile's coordinates in its own [B|1, heads, Sq, Sk] descriptor
+    bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
+    bias_h = h // bias_head_div
+    q0 = m_block * BLOCK_M
+    if KV_MODE == 0:
+        n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        for it in range(0, n_full):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
+        for it in range(n_full, n_iter):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
+    elif KV_MODE == 1:
+        hl = h // list_head_div
+        counts = LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq
+        lists = LIST_INDEX + b64 * stride_ib + hl * stride_ih + m_block * stride_iq
+        n_full = tl.load(counts)
+        n_part = tl.load(counts + 1)
+        for it in range(0, n_full):
+            k_start = tl.load(lists + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, False, False, True, KV_DESC, BIAS_DESC)
+        # partial tiles ascend, so only the last one can be the ragged tile at the sequence's end
+        for it in range(0, n_part - 1):
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, False, True, KV_DESC, BIAS_DESC)
+        for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
+            k_start = tl.load(lists + stride_ik + it) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
+    else:
+        hl = h // list_head_div
+        kept = tl.load(LIST_COUNT + b64 * stride_cb + hl * stride_ch + m_block * stride_cq)
+        keys = LIST_INDEX + b64 * stride_ib + hl * stride_ih
+        n_iter = tl.cdiv(kept, BLOCK_N)
+        for it in range(0, n_iter - 1):
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, False)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, IS_CAUSAL, False, False, KV_DESC, BIAS_DESC)
+        for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
+            k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, True)
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+                local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
+                qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d, K_DESC, V_DESC, hk,
+                B_DESC, bias_b, bias_h, q0, HEAD_DIM, BLOCK_D, IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST,
+                BIAS_Q_BCAST, BIAS_K_BCAST, True, True, False, KV_DESC, BIAS_DESC)
 
     dq_base = DQ + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
     _store_rows(dq_base, offs_m, seqlen_q, stride_dqs, offs_d,
