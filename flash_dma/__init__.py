@@ -1,5 +1,7 @@
-"""flash-dma: trainable attention kernels in Triton (dynamic mask attention)."""
+"""flash-dma: trainable attention kernels in Triton (dynamic mask attention, gated delta rule)."""
 from .ops.dynamic_mask_attention import flash_dma_func, flash_dma_varlen_func, topk_mask_from_bias
+from .ops.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
 
 __version__ = "0.1.0"
-__all__ = ["flash_dma_func", "flash_dma_varlen_func", "topk_mask_from_bias", "__version__"]
+__all__ = ["flash_dma_func", "flash_dma_varlen_func", "topk_mask_from_bias", "chunk_gated_delta_rule",
+           "chunk_gated_delta_rule_bwd_dhu", "__version__"]

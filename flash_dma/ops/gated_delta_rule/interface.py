@@ -1,0 +1,404 @@
+"""Chunked gated delta rule: argument checks, launches and autograd.
+
+Forward: prepare (gates, WY representation) -> states -> output. The backward saves nothing per
+chunk from the forward: it runs prepare and the state pass again, then the state-gradient pass
+(`chunk_gated_delta_rule_bwd_dhu`, public) and two chunk-parallel gradient kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ...hardware import interpreter_active
+from ...validation import check_same_device, check_shape, check_tensor
+from . import config as launch
+from .kernels import (
+    gdn_bwd_dhu_kernel,
+    gdn_bwd_dqkw_kernel,
+    gdn_bwd_wy_kernel,
+    gdn_fwd_h_kernel,
+    gdn_gate_grad_kernel,
+    gdn_gated_pair_grad_kernel,
+    gdn_intra_kernel,
+    gdn_prepare_kernel,
+)
+
+CHUNK = 64
+MAX_HEAD_DIM = 256
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Chunk layout (equal lengths, or packed sequences without a host sync)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ChunkLayout:
+    batch: int  # B (1 with cu_seqlens)
+    seq_len: int  # T
+    num_seqs: int  # N
+    num_slots: int  # programs of the chunk-parallel kernels, per (batch, head)
+    num_chunk_states: int  # first dim of the per-chunk state buffers (B * NT, or num_slots)
+    cu_seqlens: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence
+    chunk_map: torch.Tensor | None  # [num_slots, 2] (sequence or -1, chunk within it)
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    if cu_seqlens is None:
+        nt = triton.cdiv(seq_len, CHUNK)
+        return ChunkLayout(batch, seq_len, batch, nt, batch * nt, None, None, None)
+    cu = cu_seqlens.to(torch.int32)
+    n = cu.numel() - 1
+    # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
+    slots = triton.cdiv(seq_len, CHUNK) + n
+    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    starts = (ends - counts).to(torch.int32)
+    slot = torch.arange(slots, device=cu.device, dtype=torch.int32)
+    seq = torch.searchsorted(ends, slot, right=True).to(torch.int32)
+    used = seq < n
+    seq_c = seq.clamp(max=max(n - 1, 0))
+    local = slot - starts[seq_c] if n > 0 else slot
+    chunk_map = torch.stack([torch.where(used, seq, -1), torch.where(used, local, 0)], 1).contiguous()
+    return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map)
+
+
+def _chunk_args(layout: ChunkLayout, device) -> tuple:
+    if layout.is_varlen:
+        return layout.chunk_map, layout.cu_seqlens
+    dummy = torch.empty(0, device=device, dtype=torch.int32)
+    return dummy, dummy
+
+
+def _seq_args(layout: ChunkLayout, device) -> tuple:
+    if layout.is_varlen:
+        return layout.cu_seqlens, layout.chunk_offsets
+    dummy = torch.empty(0, device=device, dtype=torch.int32)
+    return dummy, dummy
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks
+# ------------------------------------------------------------------------------------------------
+def _check_head_dim(name: str, dim: int) -> None:
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+
+
+def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device) -> None:
+    if cu_seqlens is None:
+        return
+    check_tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int32, torch.int64))
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch size 1 (all tokens along T), got B={batch}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens: expected N + 1 >= 2 offsets")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: expected to be on {device} like q, got {cu_seqlens.device}")
+
+
+def _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size):
+    check_tensor("q", q, dims=4, dtypes=_FLOATS)
+    check_tensor("k", k, dims=4, dtypes=_FLOATS)
+    check_tensor("v", v, dims=4, dtypes=_FLOATS)
+    B, T, H, K = q.shape
+    check_shape("k", k, (B, T, H, K), "like q: [B, T, H, K]")
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v: expected shape [{B}, {T}, HV, V] (batch and length of q), got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"v: its head count HV={HV} must be a multiple of q's H={H} (grouped value heads)")
+    _check_head_dim("q", K)
+    _check_head_dim("v", V)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got k {k.dtype}, v {v.dtype}")
+    if g is not None:
+        check_tensor("g", g, dtypes=_FLOATS)
+        check_shape("g", g, (B, T, HV), "[B, T, HV] log decay per value head")
+    if gk is not None:
+        check_tensor("gk", gk, dtypes=_FLOATS)
+        check_shape("gk", gk, (B, T, HV, K), "[B, T, HV, K] per-key log decay")
+    check_tensor("beta", beta, dtypes=_FLOATS)
+    check_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size: only {CHUNK} is supported, got {chunk_size}")
+    device = check_same_device({"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta,
+                                "initial_state": initial_state})
+    _check_cu_seqlens(cu_seqlens, B, T, device)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, dtypes=(torch.float32,))
+        n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        check_shape("initial_state", initial_state, (n, HV, K, V), "[N, HV, K, V], N = number of sequences")
+    return B, T, H, HV, K, V
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address [B, T, heads, D] tensors as dense rows."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch helpers
+# ------------------------------------------------------------------------------------------------
+def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_ai: bool):
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    has_g, has_gk = g is not None, gk is not None
+    g_cum = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
+    gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) if has_gk else None
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if store_ai else None
+    aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
+    cfg = launch.select("prepare", K, V, dev)
+    chunk_map, cu = _chunk_args(layout, dev)
+    gdn_prepare_kernel[(layout.num_slots, B * HV)](
+        q, k, v, beta, g if has_g else w, gk if has_gk else w, g_cum if has_g else w,
+        gk_cum if has_gk else w, w, u, ai if store_ai else w, aqk if has_gk else w, chunk_map, cu,
+        T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
+        IS_VARLEN=layout.is_varlen, STORE_AI=store_ai, STORE_AQK=has_gk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return g_cum, gk_cum, w, u, ai, aqk
+
+
+def _states(k, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    dev = k.device
+    h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
+    v_new = torch.empty_like(u)
+    final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
+    cfg = launch.select("fwd_h", K, V, dev)
+    cu, offsets = _seq_args(layout, dev)
+    grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
+    gdn_fwd_h_kernel[grid](
+        k, w, u, g_cum if g_cum is not None else w, gk_cum if gk_cum is not None else w,
+        initial_state if initial_state is not None else w, h, v_new, final if store_final else w,
+        cu, offsets, T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v,
+        HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=initial_state is not None,
+        STORE_HT=store_final, IS_VARLEN=layout.is_varlen,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h, v_new, final
+
+
+def _intra(q, k, g_cum, gk_cum, aqk, h, v_new, do, scale, layout: ChunkLayout, out_dtype, is_dv: bool):
+    B, T, H, K = q.shape
+    src = do if is_dv else v_new
+    HV, V = src.shape[2], src.shape[3]
+    dev = q.device
+    out = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype)
+    cfg = launch.select("intra", K, V, dev)
+    chunk_map, cu = _chunk_args(layout, dev)
+    gdn_intra_kernel[(layout.num_slots, B * HV)](
+        q, k, g_cum if g_cum is not None else q, gk_cum if gk_cum is not None else q,
+        aqk if aqk is not None else q, h if h is not None else q, v_new if v_new is not None else q,
+        do if do is not None else q, out, chunk_map, cu, T, scale,
+        H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+        HAS_GK=gk_cum is not None, IS_VARLEN=layout.is_varlen, IS_DV=is_dv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout: ChunkLayout,
+             gate_qk: bool):
+    B, T, HQ, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    dev = q.device
+    dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
+    dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+    dv2 = torch.empty_like(dv)
+    cfg = launch.select("bwd_dhu", K, V, dev)
+    cu, offsets = _seq_args(layout, dev)
+    grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
+    gdn_bwd_dhu_kernel[grid](
+        q, k, w, do, dv, g_cum if g_cum is not None else q, gk_cum if gk_cum is not None else q,
+        dht if dht is not None else q, dh, dh0 if want_dh0 else q, dv2, cu, offsets, T, scale,
+        HQ=HQ, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+        HAS_GK=gk_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0, GATE_QK=gate_qk,
+        IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dh, dh0, dv2
+
+
+def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, T, HV, K] per value head -> [B, T, H, K] per q/k head (sum over the group)."""
+    B, T, HV, K = x.shape
+    if HV == heads:
+        return x
+    return x.view(B, T, heads, HV // heads, K).sum(3)
+
+
+def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    has_g, has_gk = g is not None, gk is not None
+    g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_ai=True)
+    h, v_new, _ = _states(k, w, u, g_cum, gk_cum, initial_state, layout, store_final=False)
+    dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
+    dh, dh0, dv2 = _bwd_dhu(q, k, w, do, dv_local, g_cum, gk_cum, dht, initial_state is not None,
+                            scale, layout, gate_qk=True)
+    del dv_local
+    cfg = launch.select("bwd_dqkw", K, V, dev)
+    num_k_tiles = triton.cdiv(K, cfg.block_k)
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    if has_gk:
+        db = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+        scratch = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)
+    else:
+        db = torch.empty(num_k_tiles, B, T, HV, device=dev, dtype=torch.float32) if has_g else dq
+        scratch = dq
+    db_tile_stride = B * T * HV
+    chunk_map, cu = _chunk_args(layout, dev)
+    gdn_bwd_dqkw_kernel[(layout.num_slots, B * HV, num_k_tiles)](
+        q, k, v_new, h, dh, do, dv2, g_cum if has_g else q, gk_cum if has_gk else q, dq, dk, dw, db,
+        scratch, chunk_map, cu, T, db_tile_stride, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k,
+        BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk, IS_VARLEN=layout.is_varlen,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    del h, dh, v_new
+    dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+    dv = torch.empty_like(v)
+    dg = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
+    pair_cfg = launch.select("pair_grad", K, V, dev)
+    pair_grid = (layout.num_slots, B * HV, triton.cdiv(K, pair_cfg.block_k))
+
+    def pair_grad(x, dm, dx, mult, is_a):
+        gdn_gated_pair_grad_kernel[pair_grid](
+            x, k, beta, g_cum if has_g else q, gk_cum, dm, dx, dk, dbeta, db, chunk_map, cu, T, mult,
+            H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_A=is_a, IS_VARLEN=layout.is_varlen,
+            num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
+
+    if has_gk:
+        pair_grad(q, scratch, dq, scale, False)
+    wy_cfg = launch.select("bwd_wy", K, V, dev)
+    gdn_bwd_wy_kernel[(layout.num_slots, B * HV)](
+        k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dv, dbeta,
+        db, dg if has_g else q, scratch, chunk_map, cu, T, db_tile_stride, H=H, HV=HV, K=K, V=V,
+        BK=wy_cfg.block_k, BV=wy_cfg.block_v, NK=num_k_tiles, HAS_G=has_g, HAS_GK=has_gk,
+        IS_VARLEN=layout.is_varlen, num_warps=wy_cfg.num_warps, num_stages=wy_cfg.num_stages)
+    dgk = None
+    if has_gk:
+        pair_grad(k, scratch, dk, 1.0, True)
+        dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+        gdn_gate_grad_kernel[(layout.num_slots, B * HV)](
+            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=pair_cfg.block_k,
+            HAS_G=has_g, IS_VARLEN=layout.is_varlen)
+    dq = _group_sum(dq, H).to(q.dtype)
+    dk = _group_sum(dk, H).to(k.dtype)
+    return dq, dk, dv, dg, dgk, dbeta, dh0
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
+        B, T = q.shape[:2]
+        layout = chunk_layout(B, T, cu_seqlens)
+        g_cum, gk_cum, w, u, _ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_ai=False)
+        h, v_new, final = _states(k, w, u, g_cum, gk_cum, initial_state, layout, output_final_state)
+        del w, u
+        o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state)
+        ctx.layout, ctx.scale = layout, scale
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, gk, beta, initial_state = ctx.saved_tensors
+        do = _rows(do)
+        dht = None if dht is None else dht.float().contiguous()
+        dq, dk, dv, dg, dgk, dbeta, dh0 = _backward(q, k, v, g, gk, beta, ctx.scale, initial_state,
+                                                    ctx.layout, do, dht)
+        return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum x^2 + 1e-6) over the head dim, in fp32 (autograd handles its backward)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                           beta: torch.Tensor, scale: float | None = None,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           gk: torch.Tensor | None = None, chunk_size: int = 64):
+    """Gated delta rule (Gated DeltaNet; Kimi Delta Attention with the per-key gate gk), chunked.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV] log decay (or None with
+    gk); gk [B, T, HV, K] per-key log decay; beta [B, T, HV]; initial_state [N, HV, K, V] fp32.
+    With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
+    Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
+    """
+    B, T, H, HV, K, V = _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size)
+    if scale is None:
+        scale = K ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    # Gates in fp32 (the casts are autograd ops, so their gradients come back in the given dtype).
+    g32 = None if g is None else _rows(g.float())
+    gk32 = None if gk is None else _rows(gk.float())
+    o, final = ChunkGatedDeltaRuleFunction.apply(_rows(q), _rows(k), _rows(v), g32, gk32, _rows(beta),
+                                                 float(scale), initial_state, bool(output_final_state),
+                                                 cu_seqlens)
+    return o, (final if output_final_state else None)
+
+
+def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
+                                   dv: torch.Tensor, g: torch.Tensor | None = None,
+                                   gk: torch.Tensor | None = None, h0: torch.Tensor | None = None,
+                                   dht: torch.Tensor | None = None, scale: float | None = None,
+                                   cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64):
+    """The state-gradient pass of the chunked gated delta rule (see the spec): returns
+    (dh [B, NT, HV, K, V] in q's dtype, dh0 [N, HV, K, V] fp32 or None, dv2 like dv).
+    g, gk are chunk-local cumulative sums; with gk, q and k come already gated. With cu_seqlens,
+    NT is the total chunk count of the packed sequences (read from cu_seqlens: one host sync)."""
+    for name, t in (("q", q), ("k", k), ("w", w)):
+        check_tensor(name, t, dims=4, dtypes=_FLOATS)
+    check_tensor("do", do, dims=4, dtypes=_FLOATS)
+    check_tensor("dv", dv, dims=4, dtypes=_FLOATS)
+    B, T, HQ, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    check_shape("k", k, (B, T, HQ, K), "like q")
+    check_shape("w", w, (B, T, HV, K), "[B, T, HV, K]")
+    check_shape("do", do, (B, T, HV, V), "[B, T, HV, V]")
+    check_shape("dv", dv, (B, T, HV, V), "like do")
+    if HV % HQ != 0:
+        raise ValueError(f"q: its head count {HQ} must divide the value heads HV={HV} of do")
+    _check_head_dim("q", K)
+    _check_head_dim("do", V)
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size: only {CHUNK} is supported, got {chunk_size}")
+    if g is not None:
+        check_tensor("g", g, dtypes=(torch.float32,))
+        check_shape("g", g, (B, T, HV), "[B, T, HV] chunk-local cumsum, fp32")
+    if gk is not None:
+        check_tensor("gk", gk, dtypes=(torch.float32,))
+        check_shape("gk", gk, (B, T, HV, K), "[B, T, HV, K] chunk-local cumsum, fp32")
+    device = check_same_device({"q": q, "k": k, "w": w, "do": do, "dv": dv, "g": g, "gk": gk,
+                                "h0": h0, "dht": dht})
+    _check_cu_seqlens(cu_seqlens, B, T, device)
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    for name, t in (("h0", h0), ("dht", dht)):
+        if t is not None:
+            check_tensor(name, t, dtypes=(torch.float32,))
+            check_shape(name, t, (n, HV, K, V), "[N, HV, K, V] fp32")
+    if scale is None:
+        scale = K ** -0.5
+    layout = chunk_layout(B, T, cu_seqlens)
+    dh, dh0, dv2 = _bwd_dhu(_rows(q), _rows(k), _rows(w), _rows(do), _rows(dv), g if g is None else _rows(g),
+                            gk if gk is None else _rows(gk), None if dht is None else _rows(dht),
+                            h0 is not None, float(scale), layout, gate_qk=False)
+    if layout.is_varlen:
+        total = int(layout.chunk_offsets[-1] + (cu_seqlens[-1] - cu_seqlens[-2] + CHUNK - 1) // CHUNK) if n else 0
+        dh = dh[:total].unsqueeze(0)
+    else:
+        dh = dh.view(B, -1, HV, K, V)
+    return dh, dh0, dv2

@@ -1,0 +1,911 @@
+"""Triton kernels of the chunked gated delta rule.
+
+Chunks are 64 tokens. Inside a chunk the gates are used as chunk-local cumulative sums; with the
+per-key gate `gk` the total log decay of key channel k at row i is B_i[k] = g_cum_i + gk_cum_i[k].
+
+Forward (interface.py chains them):
+  gdn_prepare_kernel   chunk-parallel: gate cumsums, A = StrictTril(diag(beta) (K K^T . Gamma)),
+                       T = (I + A)^-1 in 16-row blocks, w = T diag(beta e^B) K, u = T diag(beta) V
+                       (and, with gk, the gated query-key matrix of the chunk).
+  gdn_fwd_h_kernel     sequential over chunks: states h[c] and v_new = u - w h[c].
+  gdn_intra_kernel     chunk-parallel: o = scale (q e^B) h[c] + P v_new with P = scale Tril(q k^T . Gamma);
+                       the same kernel computes P^T do for the backward.
+Backward: the forward's first two kernels again (nothing per chunk is saved), then
+  gdn_bwd_dhu_kernel   sequential, reverse: the state gradients (the public bwd_dhu pass).
+  gdn_bwd_dqkw_kernel  chunk-parallel: dq, the state/intra parts of dk, dw, gate terms.
+  gdn_bwd_wy_kernel    chunk-parallel: back through T, w and u: dk, dv, dbeta, gate terms, dg.
+  With gk, the gated pairwise products need a numerically safe factorisation of e^(B_i - B_j):
+  gdn_gated_pair_grad_kernel does it for the two pairwise matrices, gdn_gate_grad_kernel the
+  final reverse cumsum.
+
+Gate factorisation with gk: e^(B_i - B_j) = e^(B_i - r) e^(r - B_j). Between 16-row blocks I > J,
+r is B at the first row of block I, so both factors are <= 1. Inside a diagonal block r is its
+middle row, so factors stay below e^(8 |gk|) (exact unless the key decay per token is below e^-11).
+
+Varlen: programs of chunk-parallel kernels are chunk slots; a slot maps to (sequence, chunk) through
+`chunk_map` (built on the device, no host sync); unused slots exit at once.
+"""
+import triton
+import triton.language as tl
+
+CHUNK = tl.constexpr(64)
+SUB = tl.constexpr(16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Addressing helpers
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _chunk_of_slot(slot, batch, chunk_map, cu_seqlens, T, IS_VARLEN: tl.constexpr):
+    """-> (first token (int64), valid rows, global chunk index) of a chunk slot. An unused varlen
+    slot gets 0 valid rows, so every load and store of its program is masked off."""
+    if IS_VARLEN:
+        seq = tl.load(chunk_map + 2 * slot)
+        local = tl.load(chunk_map + 2 * slot + 1)
+        used = seq >= 0
+        seq = tl.where(used, seq, 0)
+        bos = tl.load(cu_seqlens + seq).to(tl.int64)
+        eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+        tok0 = bos + local.to(tl.int64) * 64
+        n_valid = tl.where(used, tl.minimum(eos - tok0, 64), 0).to(tl.int32)
+        return tok0, n_valid, slot.to(tl.int64)
+    else:
+        num_chunks = tl.cdiv(T, 64)
+        tok0 = batch.to(tl.int64) * T + slot.to(tl.int64) * 64
+        n_valid = tl.minimum(T - slot * 64, 64)
+        return tok0, n_valid, batch.to(tl.int64) * num_chunks + slot
+
+
+@triton.jit
+def _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN: tl.constexpr):
+    """-> (first token, length, first global chunk) of sequence `seq` (int64)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + seq).to(tl.int64)
+        eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+        chunk0 = tl.load(chunk_offsets + seq).to(tl.int64)
+        return bos, eos - bos, chunk0
+    else:
+        return seq.to(tl.int64) * T, T.to(tl.int64), seq.to(tl.int64) * tl.cdiv(T, 64)
+
+
+@triton.jit
+def _tile_ptrs(base, tok0, rows, n_heads, head, D: tl.constexpr, cols, n_valid):
+    """Pointers and mask of a [rows, cols] tile of a [tokens, n_heads, D] tensor."""
+    offs = ((tok0 + rows)[:, None] * n_heads + head) * D + cols[None, :]
+    mask = (rows < n_valid)[:, None] & (cols < D)[None, :]
+    return base + offs, mask
+
+
+@triton.jit
+def _load_tile(base, tok0, rows, n_heads, head, D: tl.constexpr, cols, n_valid):
+    ptrs, mask = _tile_ptrs(base, tok0, rows, n_heads, head, D, cols, n_valid)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, value, tok0, rows, n_heads, head, D: tl.constexpr, cols, n_valid):
+    ptrs, mask = _tile_ptrs(base, tok0, rows, n_heads, head, D, cols, n_valid)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _vec_ptrs(base, tok0, rows, n_heads, head, n_valid):
+    return base + (tok0 + rows) * n_heads + head, rows < n_valid
+
+
+@triton.jit
+def _load_vec(base, tok0, rows, n_heads, head, n_valid):
+    ptrs, mask = _vec_ptrs(base, tok0, rows, n_heads, head, n_valid)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(base, value, tok0, rows, n_heads, head, n_valid):
+    ptrs, mask = _vec_ptrs(base, tok0, rows, n_heads, head, n_valid)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_ptrs(base, index, hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, krows, vcols):
+    """Pointers and mask of a [K, V] state tile at state `index` (chunk or sequence), head hv."""
+    offs = ((index * HV + hv) * K + krows[:, None]).to(tl.int64) * V + vcols[None, :]
+    return base + offs, (krows < K)[:, None] & (vcols < V)[None, :]
+
+
+@triton.jit
+def _square_ptrs(base, tok0, rows, HV: tl.constexpr, hv, cols, n_valid):
+    """A [rows, cols] tile of a per-chunk [64, 64] matrix stored as [tokens, HV, 64]."""
+    offs = ((tok0 + rows)[:, None] * HV + hv) * 64 + cols[None, :]
+    return base + offs, (rows < n_valid)[:, None] & (cols < 64)[None, :]
+
+
+@triton.jit
+def _row_of(x, r: tl.constexpr, R: tl.constexpr):
+    """Row r of a [R, N] tile, as an [N] vector."""
+    sel = tl.arange(0, R)[:, None] == r
+    return tl.sum(tl.where(sel, x, 0.0), axis=0)
+
+
+@triton.jit
+def _last_of(x, n_valid):
+    """Entry n_valid - 1 of a [64] vector (the chunk's last valid row)."""
+    return tl.sum(tl.where(tl.arange(0, 64) == n_valid - 1, x, 0.0), axis=0)
+
+
+@triton.jit
+def _last_row_of(x, n_valid):
+    """Row n_valid - 1 of a [64, N] tile."""
+    return tl.sum(tl.where((tl.arange(0, 64) == n_valid - 1)[:, None], x, 0.0), axis=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 16-row block algebra used by the WY representation
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _dot32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv_unit_lower(a):
+    """(I + a)^-1 for a strictly lower-triangular 16x16 a: with m = -a nilpotent (m^16 = 0),
+    (I + m)(I + m^2)(I + m^4)(I + m^8) = sum of m^n for n < 16."""
+    idx = tl.arange(0, 16)
+    m = -a
+    p = (idx[:, None] == idx[None, :]).to(tl.float32) + m
+    m2 = _dot32(m, m)
+    p = p + _dot32(p, m2)
+    m4 = _dot32(m2, m2)
+    p = p + _dot32(p, m4)
+    m8 = _dot32(m4, m4)
+    p = p + _dot32(p, m8)
+    return p
+
+
+@triton.jit
+def _cum_blocks(x0, x1, x2, x3):
+    """Cumulative sums down a 64-row chunk held as four 16-row blocks (vectors or tiles)."""
+    c0 = tl.cumsum(x0, 0)
+    t0 = tl.sum(x0, 0)
+    c1 = tl.cumsum(x1, 0) + t0
+    t1 = t0 + tl.sum(x1, 0)
+    c2 = tl.cumsum(x2, 0) + t1
+    t2 = t1 + tl.sum(x2, 0)
+    c3 = tl.cumsum(x3, 0) + t2
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _key_gate_blocks(gk, tok0, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid, b0, b1, b2, b3):
+    """Per-key chunk-local cumsums of gk for one key tile, four 16-row blocks, plus the scalar
+    gate's cumsums b (the total per-key log decay B)."""
+    sub = tl.arange(0, 16)
+    c0, c1, c2, c3 = _cum_blocks(_load_tile(gk, tok0, sub, HV, hv, K, cols, n_valid),
+                                 _load_tile(gk, tok0, 16 + sub, HV, hv, K, cols, n_valid),
+                                 _load_tile(gk, tok0, 32 + sub, HV, hv, K, cols, n_valid),
+                                 _load_tile(gk, tok0, 48 + sub, HV, hv, K, cols, n_valid))
+    return c0, c1, c2, c3, c0 + b0[:, None], c1 + b1[:, None], c2 + b2[:, None], c3 + b3[:, None]
+
+
+@triton.jit
+def _pair_product(xi, bi, xj, bj, ref, HAS_GK: tl.constexpr):
+    """sum_k xi[k] xj[k] e^(bi[k] - bj[k]) for two 16-row blocks, factorised around `ref`."""
+    if HAS_GK:
+        left = xi.to(tl.float32) * tl.exp(bi - ref[None, :])
+        right = xj.to(tl.float32) * tl.exp(ref[None, :] - bj)
+        return tl.dot(left, tl.trans(right))
+    else:
+        return tl.dot(xi, tl.trans(xj))
+
+
+@triton.jit
+def _scalar_gamma(bi, bj, INCLUSIVE: tl.constexpr):
+    """e^(b_i - b_j) on the (strictly or inclusively) lower triangle of a square block, else 0."""
+    n: tl.constexpr = bi.shape[0]
+    idx = tl.arange(0, n)
+    if INCLUSIVE:
+        keep = idx[:, None] >= idx[None, :]
+    else:
+        keep = idx[:, None] > idx[None, :]
+    return tl.exp(tl.where(keep, bi[:, None] - bj[None, :], float("-inf")))
+
+
+@triton.jit
+def _store_square_block(base, value, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.constexpr, hv,
+                        n_valid):
+    sub = tl.arange(0, 16)
+    ptrs, mask = _square_ptrs(base, tok0, I * 16 + sub, HV, hv, J * 16 + sub, n_valid)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
+                        m00, m10, m11, m20, m21, m22, m30, m31, m32, m33):
+    """A lower block-triangular 64x64 matrix given by its 10 blocks; the upper blocks are zeros."""
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_square_block(base, m00, tok0, 0, 0, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 1, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 3, HV, hv, n_valid)
+    _store_square_block(base, m10, tok0, 1, 0, HV, hv, n_valid)
+    _store_square_block(base, m11, tok0, 1, 1, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 1, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 1, 3, HV, hv, n_valid)
+    _store_square_block(base, m20, tok0, 2, 0, HV, hv, n_valid)
+    _store_square_block(base, m21, tok0, 2, 1, HV, hv, n_valid)
+    _store_square_block(base, m22, tok0, 2, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 2, 3, HV, hv, n_valid)
+    _store_square_block(base, m30, tok0, 3, 0, HV, hv, n_valid)
+    _store_square_block(base, m31, tok0, 3, 1, HV, hv, n_valid)
+    _store_square_block(base, m32, tok0, 3, 2, HV, hv, n_valid)
+    _store_square_block(base, m33, tok0, 3, 3, HV, hv, n_valid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T"])
+def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk_map, cu_seqlens,
+                       T, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       STORE_AI: tl.constexpr, STORE_AQK: tl.constexpr):
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    sub = tl.arange(0, 16)
+    r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
+    beta0 = _load_vec(beta, tok0, r0, HV, hv, n_valid)
+    beta1 = _load_vec(beta, tok0, r1, HV, hv, n_valid)
+    beta2 = _load_vec(beta, tok0, r2, HV, hv, n_valid)
+    beta3 = _load_vec(beta, tok0, r3, HV, hv, n_valid)
+    if HAS_G:
+        b0, b1, b2, b3 = _cum_blocks(_load_vec(g, tok0, r0, HV, hv, n_valid),
+                                     _load_vec(g, tok0, r1, HV, hv, n_valid),
+                                     _load_vec(g, tok0, r2, HV, hv, n_valid),
+                                     _load_vec(g, tok0, r3, HV, hv, n_valid))
+        _store_vec(g_cum, b0, tok0, r0, HV, hv, n_valid)
+        _store_vec(g_cum, b1, tok0, r1, HV, hv, n_valid)
+        _store_vec(g_cum, b2, tok0, r2, HV, hv, n_valid)
+        _store_vec(g_cum, b3, tok0, r3, HV, hv, n_valid)
+    else:
+        b0 = tl.zeros([16], dtype=tl.float32)
+        b1, b2, b3 = b0, b0, b0
+
+    # Phase 1: the pairwise key products of the 10 lower blocks (and query-key ones with gk).
+    a00 = tl.zeros([16, 16], dtype=tl.float32)
+    a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
+    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = a00, a00, a00, a00, a00, a00, a00, a00, a00, a00
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        k0 = _load_tile(k, tok0, r0, H, head, K, cols, n_valid)
+        k1 = _load_tile(k, tok0, r1, H, head, K, cols, n_valid)
+        k2 = _load_tile(k, tok0, r2, H, head, K, cols, n_valid)
+        k3 = _load_tile(k, tok0, r3, H, head, K, cols, n_valid)
+        if HAS_GK:
+            c0, c1, c2, c3, B0, B1, B2, B3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
+                                                              b0, b1, b2, b3)
+            _store_tile(gk_cum, c0, tok0, r0, HV, hv, K, cols, n_valid)
+            _store_tile(gk_cum, c1, tok0, r1, HV, hv, K, cols, n_valid)
+            _store_tile(gk_cum, c2, tok0, r2, HV, hv, K, cols, n_valid)
+            _store_tile(gk_cum, c3, tok0, r3, HV, hv, K, cols, n_valid)
+            f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
+            m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
+        else:
+            B0, B1, B2, B3 = k0, k1, k2, k3  # unused placeholders
+            f1, f2, f3, m0, m1, m2, m3 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        a00 += _pair_product(k0, B0, k0, B0, m0, HAS_GK)
+        a10 += _pair_product(k1, B1, k0, B0, f1, HAS_GK)
+        a11 += _pair_product(k1, B1, k1, B1, m1, HAS_GK)
+        a20 += _pair_product(k2, B2, k0, B0, f2, HAS_GK)
+        a21 += _pair_product(k2, B2, k1, B1, f2, HAS_GK)
+        a22 += _pair_product(k2, B2, k2, B2, m2, HAS_GK)
+        a30 += _pair_product(k3, B3, k0, B0, f3, HAS_GK)
+        a31 += _pair_product(k3, B3, k1, B1, f3, HAS_GK)
+        a32 += _pair_product(k3, B3, k2, B2, f3, HAS_GK)
+        a33 += _pair_product(k3, B3, k3, B3, m3, HAS_GK)
+        if STORE_AQK:  # only with gk: the output kernels read the gated query-key products
+            q0 = _load_tile(q, tok0, r0, H, head, K, cols, n_valid)
+            q1 = _load_tile(q, tok0, r1, H, head, K, cols, n_valid)
+            q2 = _load_tile(q, tok0, r2, H, head, K, cols, n_valid)
+            q3 = _load_tile(q, tok0, r3, H, head, K, cols, n_valid)
+            p00 += _pair_product(q0, B0, k0, B0, m0, HAS_GK)
+            p10 += _pair_product(q1, B1, k0, B0, f1, HAS_GK)
+            p11 += _pair_product(q1, B1, k1, B1, m1, HAS_GK)
+            p20 += _pair_product(q2, B2, k0, B0, f2, HAS_GK)
+            p21 += _pair_product(q2, B2, k1, B1, f2, HAS_GK)
+            p22 += _pair_product(q2, B2, k2, B2, m2, HAS_GK)
+            p30 += _pair_product(q3, B3, k0, B0, f3, HAS_GK)
+            p31 += _pair_product(q3, B3, k1, B1, f3, HAS_GK)
+            p32 += _pair_product(q3, B3, k2, B2, f3, HAS_GK)
+            p33 += _pair_product(q3, B3, k3, B3, m3, HAS_GK)
+
+    if STORE_AQK:
+        inc = (sub[:, None] >= sub[None, :]).to(tl.float32)  # diagonal blocks: lower triangle
+        _store_lower_blocks(aqk, tok0, HV, hv, n_valid, p00 * inc * scale, p10 * scale, p11 * inc * scale,
+                            p20 * scale, p21 * scale, p22 * inc * scale, p30 * scale, p31 * scale,
+                            p32 * scale, p33 * inc * scale)
+
+    # Phase 2: A = diag(beta) (products . Gamma), strictly lower; T = (I + A)^-1 blockwise.
+    if HAS_G and not HAS_GK:
+        a00 = a00 * _scalar_gamma(b0, b0, False)
+        a11 = a11 * _scalar_gamma(b1, b1, False)
+        a22 = a22 * _scalar_gamma(b2, b2, False)
+        a33 = a33 * _scalar_gamma(b3, b3, False)
+        a10 = a10 * tl.exp(b1[:, None] - b0[None, :])
+        a20 = a20 * tl.exp(b2[:, None] - b0[None, :])
+        a21 = a21 * tl.exp(b2[:, None] - b1[None, :])
+        a30 = a30 * tl.exp(b3[:, None] - b0[None, :])
+        a31 = a31 * tl.exp(b3[:, None] - b1[None, :])
+        a32 = a32 * tl.exp(b3[:, None] - b2[None, :])
+    else:
+        strict = sub[:, None] > sub[None, :]
+        a00 = tl.where(strict, a00, 0.0)
+        a11 = tl.where(strict, a11, 0.0)
+        a22 = tl.where(strict, a22, 0.0)
+        a33 = tl.where(strict, a33, 0.0)
+    t00 = _inv_unit_lower(a00 * beta0[:, None])
+    t11 = _inv_unit_lower(a11 * beta1[:, None])
+    t22 = _inv_unit_lower(a22 * beta2[:, None])
+    t33 = _inv_unit_lower(a33 * beta3[:, None])
+    a10 = a10 * beta1[:, None]
+    a20 = a20 * beta2[:, None]
+    a21 = a21 * beta2[:, None]
+    a30 = a30 * beta3[:, None]
+    a31 = a31 * beta3[:, None]
+    a32 = a32 * beta3[:, None]
+    # Block forward substitution: T_IJ = -T_II sum_{J <= m < I} A_Im T_mJ.
+    t10 = -_dot32(t11, _dot32(a10, t00))
+    t21 = -_dot32(t22, _dot32(a21, t11))
+    t32 = -_dot32(t33, _dot32(a32, t22))
+    t20 = -_dot32(t22, _dot32(a20, t00) + _dot32(a21, t10))
+    t31 = -_dot32(t33, _dot32(a31, t11) + _dot32(a32, t21))
+    t30 = -_dot32(t33, _dot32(a30, t00) + _dot32(a31, t10) + _dot32(a32, t20))
+    if STORE_AI:
+        _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
+
+    # Phase 3: w = T diag(beta e^B) K and u = T diag(beta) V.
+    kdt = w.dtype.element_ty
+    s00, s10, s11, s20 = t00.to(kdt), t10.to(kdt), t11.to(kdt), t20.to(kdt)
+    s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        if HAS_GK:
+            _c0, _c1, _c2, _c3, e0, e1, e2, e3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
+                                                                  b0, b1, b2, b3)
+            e0, e1, e2, e3 = tl.exp(e0), tl.exp(e1), tl.exp(e2), tl.exp(e3)
+        else:
+            e0, e1, e2, e3 = tl.exp(b0)[:, None], tl.exp(b1)[:, None], tl.exp(b2)[:, None], tl.exp(b3)[:, None]
+        kb0 = (_load_tile(k, tok0, r0, H, head, K, cols, n_valid) * e0 * beta0[:, None]).to(kdt)
+        kb1 = (_load_tile(k, tok0, r1, H, head, K, cols, n_valid) * e1 * beta1[:, None]).to(kdt)
+        kb2 = (_load_tile(k, tok0, r2, H, head, K, cols, n_valid) * e2 * beta2[:, None]).to(kdt)
+        kb3 = (_load_tile(k, tok0, r3, H, head, K, cols, n_valid) * e3 * beta3[:, None]).to(kdt)
+        _store_tile(w, tl.dot(s00, kb0), tok0, r0, HV, hv, K, cols, n_valid)
+        _store_tile(w, tl.dot(s10, kb0) + tl.dot(s11, kb1), tok0, r1, HV, hv, K, cols, n_valid)
+        _store_tile(w, tl.dot(s20, kb0) + tl.dot(s21, kb1) + tl.dot(s22, kb2), tok0, r2, HV, hv, K, cols, n_valid)
+        _store_tile(w, tl.dot(s30, kb0) + tl.dot(s31, kb1) + tl.dot(s32, kb2) + tl.dot(s33, kb3),
+                    tok0, r3, HV, hv, K, cols, n_valid)
+    vdt = u.dtype.element_ty
+    s00, s10, s11, s20 = t00.to(vdt), t10.to(vdt), t11.to(vdt), t20.to(vdt)
+    s21, s22, s30, s31, s32, s33 = t21.to(vdt), t22.to(vdt), t30.to(vdt), t31.to(vdt), t32.to(vdt), t33.to(vdt)
+    for v_start in range(0, V, BV):
+        cols = v_start + tl.arange(0, BV)
+        vb0 = (_load_tile(v, tok0, r0, HV, hv, V, cols, n_valid) * beta0[:, None]).to(vdt)
+        vb1 = (_load_tile(v, tok0, r1, HV, hv, V, cols, n_valid) * beta1[:, None]).to(vdt)
+        vb2 = (_load_tile(v, tok0, r2, HV, hv, V, cols, n_valid) * beta2[:, None]).to(vdt)
+        vb3 = (_load_tile(v, tok0, r3, HV, hv, V, cols, n_valid) * beta3[:, None]).to(vdt)
+        _store_tile(u, tl.dot(s00, vb0), tok0, r0, HV, hv, V, cols, n_valid)
+        _store_tile(u, tl.dot(s10, vb0) + tl.dot(s11, vb1), tok0, r1, HV, hv, V, cols, n_valid)
+        _store_tile(u, tl.dot(s20, vb0) + tl.dot(s21, vb1) + tl.dot(s22, vb2), tok0, r2, HV, hv, V, cols, n_valid)
+        _store_tile(u, tl.dot(s30, vb0) + tl.dot(s31, vb1) + tl.dot(s32, vb2) + tl.dot(s33, vb3),
+                    tok0, r3, HV, hv, V, cols, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk_offsets, T,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
+                     STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One program per (V tile, sequence, head): the states h[c] at each chunk start and
+    v_new = u - w h[c], chunk after chunk. BK covers all of K."""
+    v_tile = tl.program_id(0)
+    seq_hv = tl.program_id(1)
+    seq = seq_hv // HV
+    hv = seq_hv % HV
+    head = hv // (HV // H)
+    bos, seq_len, chunk0 = _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN)
+    krows = tl.arange(0, BK)
+    vcols = v_tile * BV + tl.arange(0, BV)
+    rows = tl.arange(0, 64)
+    if HAS_H0:
+        ptrs, mask = _state_ptrs(h0, seq, hv, HV, K, V, krows, vcols)
+        state = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    for c in range(0, tl.cdiv(seq_len, 64)):
+        tok0 = bos + c * 64
+        n_valid = tl.minimum(seq_len - c * 64, 64).to(tl.int32)
+        ptrs, mask = _state_ptrs(h, chunk0 + c, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state.to(h.dtype.element_ty), mask=mask)
+        wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+        vn = _load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
+        _store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
+        kt = _load_tile(k, tok0, rows, H, head, K, krows, n_valid)
+        if HAS_G:
+            bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            b_last = _last_of(bt, n_valid)
+            vn = vn * tl.exp(b_last - bt)[:, None]
+            state = state * tl.exp(b_last)
+        if HAS_GK:
+            ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
+            c_last = _last_row_of(ct, n_valid)
+            kt = (kt * tl.exp(c_last[None, :] - ct)).to(kt.dtype)
+            state = state * tl.exp(c_last)[:, None]
+        state += tl.dot(tl.trans(kt), vn.to(kt.dtype))
+    if STORE_HT:
+        ptrs, mask = _state_ptrs(ht, seq, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state, mask=mask)
+
+
+@triton.jit
+def _intra_matrix(q, k, g_cum, aqk, tok0, hv, head, n_valid, scale,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                  HAS_G: tl.constexpr, HAS_GK: tl.constexpr):
+    """P = scale Tril(q k^T . Gamma) of one chunk, [64, 64] fp32 (read back when gk made it)."""
+    rows = tl.arange(0, 64)
+    if HAS_GK:
+        ptrs, mask = _square_ptrs(aqk, tok0, rows, HV, hv, rows, n_valid)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        p = tl.zeros([64, 64], dtype=tl.float32)
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            p += tl.dot(_load_tile(q, tok0, rows, H, head, K, cols, n_valid),
+                        tl.trans(_load_tile(k, tok0, rows, H, head, K, cols, n_valid)))
+        if HAS_G:
+            bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            return p * _scalar_gamma(bt, bt, True) * scale
+        else:
+            return tl.where(rows[:, None] >= rows[None, :], p * scale, 0.0)
+
+
+@triton.jit
+def _query_gate(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                HAS_G: tl.constexpr, HAS_GK: tl.constexpr):
+    """e^B of a [64, BK] query tile (broadcastable: [64, 1] without gk)."""
+    if HAS_G:
+        e = tl.exp(_load_vec(g_cum, tok0, rows, HV, hv, n_valid))[:, None]
+    else:
+        e = tl.full([64, 1], 1.0, dtype=tl.float32)
+    if HAS_GK:
+        e = e * tl.exp(_load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid))
+    return e
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_intra_kernel(q, k, g_cum, gk_cum, aqk, h, v_new, do, out, chunk_map, cu_seqlens, T, scale,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     IS_DV: tl.constexpr):
+    """IS_DV=False: o = scale (q e^B) h[c] + P v_new.  IS_DV=True: dv_local = P^T do.
+    One program per (chunk, head); BK covers all of K, V in tiles of BV."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    krows = tl.arange(0, BK)
+    p = _intra_matrix(q, k, g_cum, aqk, tok0, hv, head, n_valid, scale, H, HV, K, BK, HAS_G, HAS_GK)
+    dt = out.dtype.element_ty
+    if IS_DV:
+        pt = tl.trans(p).to(dt)
+    else:
+        pt = p.to(dt)
+        qt = _load_tile(q, tok0, rows, H, head, K, krows, n_valid)
+        qg = (qt * _query_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, krows, n_valid, HAS_G, HAS_GK)
+              * scale).to(dt)
+    for v_start in range(0, V, BV):
+        vcols = v_start + tl.arange(0, BV)
+        if IS_DV:
+            acc = tl.dot(pt, _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid).to(dt))
+        else:
+            ptrs, mask = _state_ptrs(h, chunk, hv, HV, K, V, krows, vcols)
+            acc = tl.dot(qg, tl.load(ptrs, mask=mask, other=0.0).to(dt))
+            acc += tl.dot(pt, _load_tile(v_new, tok0, rows, HV, hv, V, vcols, n_valid).to(dt))
+        _store_tile(out, acc, tok0, rows, HV, hv, V, vcols, n_valid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: the state-gradient pass
+# ------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T"])
+def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seqlens, chunk_offsets,
+                       T, scale,
+                       HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
+                       STORE_DH0: tl.constexpr, GATE_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
+    the state at the end of the chunk:
+        dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
+        D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
+    q and k come already gated by gk (the public convention), or, with GATE_QK, are gated here
+    (q e^gk, k e^(gk_last - gk)). BK covers all of K."""
+    v_tile = tl.program_id(0)
+    seq_hv = tl.program_id(1)
+    seq = seq_hv // HV
+    hv = seq_hv % HV
+    head = hv // (HV // HQ)
+    bos, seq_len, chunk0 = _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN)
+    krows = tl.arange(0, BK)
+    vcols = v_tile * BV + tl.arange(0, BV)
+    rows = tl.arange(0, 64)
+    if HAS_DHT:
+        ptrs, mask = _state_ptrs(dht, seq, hv, HV, K, V, krows, vcols)
+        state = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    dt = q.dtype.element_ty
+    for c_rev in range(0, tl.cdiv(seq_len, 64)):
+        c = tl.cdiv(seq_len, 64) - 1 - c_rev
+        tok0 = bos + c * 64
+        n_valid = tl.minimum(seq_len - c * 64, 64).to(tl.int32)
+        ptrs, mask = _state_ptrs(dh, chunk0 + c, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state.to(dh.dtype.element_ty), mask=mask)
+        qt = _load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
+        kt = _load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
+        wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+        dot_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
+        dvt = _load_tile(dv, tok0, rows, HV, hv, V, vcols, n_valid)
+        qgate = tl.zeros([64, 1], dtype=tl.float32) + scale
+        if HAS_GK:
+            ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
+            c_last = _last_row_of(ct, n_valid)
+            if GATE_QK:
+                kt = (kt * tl.exp(c_last[None, :] - ct)).to(dt)
+                qgate = qgate * tl.exp(ct)
+        kd = tl.dot(kt, state.to(dt))
+        if HAS_G:
+            bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            b_last = _last_of(bt, n_valid)
+            kd = kd * tl.exp(b_last - bt)[:, None]
+            qgate = qgate * tl.exp(bt)[:, None]
+            state = state * tl.exp(b_last)
+        if HAS_GK:
+            state = state * tl.exp(c_last)[:, None]
+        qt = (qt * qgate).to(dt)
+        dv2t = dvt.to(tl.float32) + kd
+        _store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
+        state += tl.dot(tl.trans(qt), dot_t.to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
+    if STORE_DH0:
+        ptrs, mask = _state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state, mask=mask)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: chunk-parallel gradients
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _total_gate(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                HAS_G: tl.constexpr, HAS_GK: tl.constexpr):
+    """B of a [64, BK] tile ([64, 1] without gk) and its value at the last valid row."""
+    if HAS_G:
+        bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)[:, None]
+    else:
+        bt = tl.zeros([64, 1], dtype=tl.float32)
+    if HAS_GK:
+        bt = bt + _load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid)
+    return bt, _last_row_of(bt, n_valid)
+
+
+@triton.jit(do_not_specialize=["T", "db_tile_stride"])
+def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, dp,
+                        chunk_map, cu_seqlens, T, db_tile_stride, scale,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr,
+                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One program per (chunk, head, K tile). With h = h[c] and D = dh[c] (end of chunk):
+        dq = scale e^B (do h^T) + scale (dP . Gamma) k,  dP = Tril(do v_new^T)
+        dk = e^(B_last - B) (v_new D^T) + scale (dP . Gamma)^T q          (partial: + wy terms)
+        dw = -dv2 h^T
+    and the gate terms dB (before the reverse cumsum). With gk the dP products are left to
+    gdn_gated_pair_grad_kernel: dP is stored instead."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    k_tile = tl.program_id(2)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    kcols = k_tile * BK + tl.arange(0, BK)
+    dqg = tl.zeros([64, BK], dtype=tl.float32)
+    dwa = tl.zeros([64, BK], dtype=tl.float32)
+    dkl = tl.zeros([64, BK], dtype=tl.float32)
+    dpa = tl.zeros([64, 64], dtype=tl.float32)
+    dlast = tl.zeros([BK], dtype=tl.float32)
+    for v_start in range(0, V, BV):
+        vcols = v_start + tl.arange(0, BV)
+        do_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
+        vn_t = _load_tile(v_new, tok0, rows, HV, hv, V, vcols, n_valid)
+        dv2_t = _load_tile(dv2, tok0, rows, HV, hv, V, vcols, n_valid).to(do_t.dtype)
+        ptrs, mask = _state_ptrs(h, chunk, hv, HV, K, V, kcols, vcols)
+        h_t = tl.load(ptrs, mask=mask, other=0.0)
+        ptrs, mask = _state_ptrs(dh, chunk, hv, HV, K, V, kcols, vcols)
+        dh_t = tl.load(ptrs, mask=mask, other=0.0)
+        dqg += tl.dot(do_t, tl.trans(h_t))
+        dwa += tl.dot(dv2_t, tl.trans(h_t))
+        dkl += tl.dot(vn_t, tl.trans(dh_t))
+        dpa += tl.dot(do_t, tl.trans(vn_t))
+        dlast += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
+    qt = _load_tile(q, tok0, rows, H, head, K, kcols, n_valid)
+    kt = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
+    bt, b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
+    dq_t = dqg * tl.exp(bt) * scale
+    dk_t = dkl * tl.exp(b_last[None, :] - bt)
+    gate = qt.to(tl.float32) * dq_t - kt.to(tl.float32) * dk_t
+    # B_last: from the kept part of every k (sum of k dk above) and from e^(B_last) h[c]
+    last_extra = tl.sum(kt.to(tl.float32) * dk_t, axis=0) + tl.exp(b_last) * dlast
+    gate += tl.where((rows == n_valid - 1)[:, None], last_extra[None, :], 0.0)
+    if HAS_GK:
+        if k_tile == 0:
+            ptrs, mask = _square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
+            tl.store(ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=mask)
+    else:
+        if HAS_G:
+            b_row = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            pg = dpa * _scalar_gamma(b_row, b_row, True) * scale
+        else:
+            pg = tl.where(rows[:, None] >= rows[None, :], dpa * scale, 0.0)
+        dq_p = tl.dot(pg.to(kt.dtype), kt)
+        dk_p = tl.dot(tl.trans(pg).to(qt.dtype), qt)
+        dq_t += dq_p
+        dk_t += dk_p
+        gate += qt.to(tl.float32) * dq_p - kt.to(tl.float32) * dk_p
+    _store_tile(dq, dq_t, tok0, rows, HV, hv, K, kcols, n_valid)
+    _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
+    _store_tile(dw, -dwa, tok0, rows, HV, hv, K, kcols, n_valid)
+    if HAS_GK:
+        _store_tile(db, gate, tok0, rows, HV, hv, K, kcols, n_valid)
+    elif HAS_G:  # one partial sum over this K tile's keys; the wy kernel adds the tiles
+        _store_vec(db + k_tile.to(tl.int64) * db_tile_stride, tl.sum(gate, axis=1), tok0, rows, HV, hv,
+                   n_valid)
+
+
+@triton.jit
+def _reverse_cumsum(x):
+    """sum over s >= i of x[s], down a chunk's rows (axis 0)."""
+    return tl.sum(x, axis=0) - tl.cumsum(x, axis=0) + x
+
+
+@triton.jit(do_not_specialize=["T", "db_tile_stride"])
+def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, dg, da,
+                      chunk_map, cu_seqlens, T, db_tile_stride,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+                      HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Back through u = T diag(beta) V, w = T diag(beta e^B) K and T = (I + A)^-1, with
+    A = StrictTril(diag(beta) (K K^T . Gamma)), given du (= dv2) and dw. One program per
+    (chunk, head): dv, dbeta, dk (added to the partial from gdn_bwd_dqkw_kernel) and, without gk,
+    dg (the gate terms summed and reverse-cumsummed). With gk, dA is stored for the pair kernel."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    ptrs, mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
+    tmat = tl.load(ptrs, mask=mask, other=0.0)
+    beta_t = _load_vec(beta, tok0, rows, HV, hv, n_valid)
+    kdt = k.dtype.element_ty
+    vdt = v.dtype.element_ty
+    d_t = tl.zeros([64, 64], dtype=tl.float32)
+    dbeta_t = tl.zeros([64], dtype=tl.float32)
+    tt_v = tl.trans(tmat).to(vdt)
+    for v_start in range(0, V, BV):
+        vcols = v_start + tl.arange(0, BV)
+        du_t = _load_tile(du, tok0, rows, HV, hv, V, vcols, n_valid).to(vdt)
+        v_t = _load_tile(v, tok0, rows, HV, hv, V, vcols, n_valid)
+        d_t += tl.dot(du_t, tl.trans((v_t * beta_t[:, None]).to(vdt)))
+        dvb = tl.dot(tt_v, du_t)
+        _store_tile(dv, dvb * beta_t[:, None], tok0, rows, HV, hv, V, vcols, n_valid)
+        dbeta_t += tl.sum(dvb * v_t.to(tl.float32), axis=1)
+    kkt = tl.zeros([64, 64], dtype=tl.float32)
+    for k_start in range(0, K, BK):
+        kcols = k_start + tl.arange(0, BK)
+        k_t = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
+        dw_t = _load_tile(dw, tok0, rows, HV, hv, K, kcols, n_valid).to(kdt)
+        bt, _b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
+        kb = (k_t * tl.exp(bt) * beta_t[:, None]).to(kdt)
+        d_t += tl.dot(dw_t, tl.trans(kb))
+        if not HAS_GK:
+            kkt += tl.dot(k_t, tl.trans(k_t))
+    # dA = -T^T dT T^T on the strict lower triangle
+    d_a = -tl.dot(tl.dot(tl.trans(tmat), d_t), tl.trans(tmat))
+    d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
+    if HAS_GK:
+        ptrs, mask = _square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
+        tl.store(ptrs, d_a, mask=mask)
+        d_ag = d_a  # unused
+    else:
+        if HAS_G:
+            b_row = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            d_ag = d_a * _scalar_gamma(b_row, b_row, False)
+        else:
+            d_ag = d_a
+        dbeta_t += tl.sum(d_ag * kkt, axis=1)
+    tt_k = tl.trans(tmat).to(kdt)
+    gate_t = tl.zeros([64], dtype=tl.float32)
+    for k_start in range(0, K, BK):
+        kcols = k_start + tl.arange(0, BK)
+        k_t = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
+        dw_t = _load_tile(dw, tok0, rows, HV, hv, K, kcols, n_valid).to(kdt)
+        bt, _b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
+        kbase = k_t.to(tl.float32) * tl.exp(bt)
+        dkb = tl.dot(tt_k, dw_t)
+        dk_t = _load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid) + dkb * tl.exp(bt) * beta_t[:, None]
+        dbeta_t += tl.sum(dkb * kbase, axis=1)
+        gate_w = kbase * beta_t[:, None] * dkb
+        if HAS_GK:
+            ptrs, mask = _tile_ptrs(db, tok0, rows, HV, hv, K, kcols, n_valid)
+            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + gate_w, mask=mask)
+        else:
+            dk_t += (beta_t[:, None] * tl.dot(d_ag.to(kdt), k_t)
+                     + tl.dot(tl.trans(d_ag * beta_t[:, None]).to(kdt), k_t))
+            gate_t += tl.sum(gate_w, axis=1)
+        _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
+    _store_vec(dbeta, dbeta_t, tok0, rows, HV, hv, n_valid)
+    if HAS_G and not HAS_GK:
+        m = d_ag * kkt * beta_t[:, None]  # dA . A
+        gate_t += tl.sum(m, axis=1) - tl.sum(m, axis=0)
+        for i in range(NK):
+            gate_t += _load_vec(db + i * db_tile_stride, tok0, rows, HV, hv, n_valid)
+        _store_vec(dg, _reverse_cumsum(gate_t), tok0, rows, HV, hv, n_valid)
+
+
+@triton.jit
+def _load_square_block(base, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.constexpr, hv, n_valid):
+    sub = tl.arange(0, 16)
+    ptrs, mask = _square_ptrs(base, tok0, I * 16 + sub, HV, hv, J * 16 + sub, n_valid)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _left(x, b, ref):
+    return x * tl.exp(b - ref[None, :])
+
+
+@triton.jit
+def _right(x, b, ref):
+    return x * tl.exp(ref[None, :] - b)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_gated_pair_grad_kernel(x, c, beta, g_cum, gk_cum, dm, dx, dc, dbeta, db,
+                               chunk_map, cu_seqlens, T, mult,
+                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                               HAS_G: tl.constexpr, IS_A: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Gradients through M_ij = mult sum_k a_i[k] c_j[k] e^(B_i[k] - B_j[k]) (lower triangle of a
+    chunk), per key gate, given dM (stored by the dqkw or wy kernel). a = x (P: x = q, c = k) or
+    a = beta x (A: x = c = k). Adds to dx, dc, dbeta (A) and the per-key gate terms db, using the
+    same factorisation around reference rows as the forward."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    k_tile = tl.program_id(2)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    sub = tl.arange(0, 16)
+    r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
+    cols = k_tile * BK + tl.arange(0, BK)
+    if HAS_G:
+        b0 = _load_vec(g_cum, tok0, r0, HV, hv, n_valid)
+        b1 = _load_vec(g_cum, tok0, r1, HV, hv, n_valid)
+        b2 = _load_vec(g_cum, tok0, r2, HV, hv, n_valid)
+        b3 = _load_vec(g_cum, tok0, r3, HV, hv, n_valid)
+    else:
+        b0 = tl.zeros([16], dtype=tl.float32)
+        b1, b2, b3 = b0, b0, b0
+    B0 = _load_tile(gk_cum, tok0, r0, HV, hv, K, cols, n_valid) + b0[:, None]
+    B1 = _load_tile(gk_cum, tok0, r1, HV, hv, K, cols, n_valid) + b1[:, None]
+    B2 = _load_tile(gk_cum, tok0, r2, HV, hv, K, cols, n_valid) + b2[:, None]
+    B3 = _load_tile(gk_cum, tok0, r3, HV, hv, K, cols, n_valid) + b3[:, None]
+    f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
+    m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
+    x0 = _load_tile(x, tok0, r0, H, head, K, cols, n_valid).to(tl.float32)
+    x1 = _load_tile(x, tok0, r1, H, head, K, cols, n_valid).to(tl.float32)
+    x2 = _load_tile(x, tok0, r2, H, head, K, cols, n_valid).to(tl.float32)
+    x3 = _load_tile(x, tok0, r3, H, head, K, cols, n_valid).to(tl.float32)
+    c0 = _load_tile(c, tok0, r0, H, head, K, cols, n_valid).to(tl.float32)
+    c1 = _load_tile(c, tok0, r1, H, head, K, cols, n_valid).to(tl.float32)
+    c2 = _load_tile(c, tok0, r2, H, head, K, cols, n_valid).to(tl.float32)
+    c3 = _load_tile(c, tok0, r3, H, head, K, cols, n_valid).to(tl.float32)
+    if IS_A:
+        be0 = _load_vec(beta, tok0, r0, HV, hv, n_valid)[:, None]
+        be1 = _load_vec(beta, tok0, r1, HV, hv, n_valid)[:, None]
+        be2 = _load_vec(beta, tok0, r2, HV, hv, n_valid)[:, None]
+        be3 = _load_vec(beta, tok0, r3, HV, hv, n_valid)[:, None]
+    else:
+        be0 = tl.full([16, 1], 1.0, dtype=tl.float32)
+        be1, be2, be3 = be0, be0, be0
+    a0, a1, a2, a3 = x0 * be0, x1 * be1, x2 * be2, x3 * be3
+    d00 = _load_square_block(dm, tok0, 0, 0, HV, hv, n_valid)
+    d10 = _load_square_block(dm, tok0, 1, 0, HV, hv, n_valid)
+    d11 = _load_square_block(dm, tok0, 1, 1, HV, hv, n_valid)
+    d20 = _load_square_block(dm, tok0, 2, 0, HV, hv, n_valid)
+    d21 = _load_square_block(dm, tok0, 2, 1, HV, hv, n_valid)
+    d22 = _load_square_block(dm, tok0, 2, 2, HV, hv, n_valid)
+    d30 = _load_square_block(dm, tok0, 3, 0, HV, hv, n_valid)
+    d31 = _load_square_block(dm, tok0, 3, 1, HV, hv, n_valid)
+    d32 = _load_square_block(dm, tok0, 3, 2, HV, hv, n_valid)
+    d33 = _load_square_block(dm, tok0, 3, 3, HV, hv, n_valid)
+    # da_I = sum_J dM_IJ (c_J e^(r - B_J)) e^(B_I - r)
+    da0 = tl.dot(d00, _right(c0, B0, m0)) * tl.exp(B0 - m0[None, :])
+    da1 = (tl.dot(d10, _right(c0, B0, f1)) * tl.exp(B1 - f1[None, :])
+           + tl.dot(d11, _right(c1, B1, m1)) * tl.exp(B1 - m1[None, :]))
+    da2 = ((tl.dot(d20, _right(c0, B0, f2)) + tl.dot(d21, _right(c1, B1, f2))) * tl.exp(B2 - f2[None, :])
+           + tl.dot(d22, _right(c2, B2, m2)) * tl.exp(B2 - m2[None, :]))
+    da3 = ((tl.dot(d30, _right(c0, B0, f3)) + tl.dot(d31, _right(c1, B1, f3)) + tl.dot(d32, _right(c2, B2, f3)))
+           * tl.exp(B3 - f3[None, :]) + tl.dot(d33, _right(c3, B3, m3)) * tl.exp(B3 - m3[None, :]))
+    # dc_J = sum_I dM_IJ^T (a_I e^(B_I - r)) e^(r - B_J)
+    l1, l2, l3 = _left(a1, B1, f1), _left(a2, B2, f2), _left(a3, B3, f3)
+    dc0 = (tl.dot(tl.trans(d00), _left(a0, B0, m0)) * tl.exp(m0[None, :] - B0)
+           + tl.dot(tl.trans(d10), l1) * tl.exp(f1[None, :] - B0)
+           + tl.dot(tl.trans(d20), l2) * tl.exp(f2[None, :] - B0)
+           + tl.dot(tl.trans(d30), l3) * tl.exp(f3[None, :] - B0))
+    dc1 = (tl.dot(tl.trans(d11), _left(a1, B1, m1)) * tl.exp(m1[None, :] - B1)
+           + tl.dot(tl.trans(d21), l2) * tl.exp(f2[None, :] - B1)
+           + tl.dot(tl.trans(d31), l3) * tl.exp(f3[None, :] - B1))
+    dc2 = (tl.dot(tl.trans(d22), _left(a2, B2, m2)) * tl.exp(m2[None, :] - B2)
+           + tl.dot(tl.trans(d32), l3) * tl.exp(f3[None, :] - B2))
+    dc3 = tl.dot(tl.trans(d33), _left(a3, B3, m3)) * tl.exp(m3[None, :] - B3)
+    _pair_grad_update(dx, dc, dbeta, db, tok0, r0, H, HV, head, hv, K, cols, n_valid, mult, x0, a0, c0, be0, da0, dc0, IS_A)
+    _pair_grad_update(dx, dc, dbeta, db, tok0, r1, H, HV, head, hv, K, cols, n_valid, mult, x1, a1, c1, be1, da1, dc1, IS_A)
+    _pair_grad_update(dx, dc, dbeta, db, tok0, r2, H, HV, head, hv, K, cols, n_valid, mult, x2, a2, c2, be2, da2, dc2, IS_A)
+    _pair_grad_update(dx, dc, dbeta, db, tok0, r3, H, HV, head, hv, K, cols, n_valid, mult, x3, a3, c3, be3, da3, dc3, IS_A)
+
+
+@triton.jit
+def _pair_grad_update(dx, dc, dbeta, db, tok0, rows, H: tl.constexpr, HV: tl.constexpr, head, hv,
+                      K: tl.constexpr, cols, n_valid, mult, x, a, c, be, da, dcv, IS_A: tl.constexpr):
+    """Adds one 16-row block's gradients (gradient buffers are per value head, fp32)."""
+    ptrs, mask = _tile_ptrs(db, tok0, rows, HV, hv, K, cols, n_valid)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * (a * da - c * dcv), mask=mask)
+    if IS_A:  # x and c are both k: one buffer
+        ptrs, mask = _tile_ptrs(dx, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * (be * da + dcv), mask=mask)
+        # dbeta: one K tile's share, accumulated with atomics across tiles
+        bptrs, bmask = _vec_ptrs(dbeta, tok0, rows, HV, hv, n_valid)
+        tl.atomic_add(bptrs, mult * tl.sum(x * da, axis=1), mask=bmask)
+    else:
+        ptrs, mask = _tile_ptrs(dx, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * da, mask=mask)
+        ptrs, mask = _tile_ptrs(dc, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * dcv, mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
+                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With gk: the per-key gate terms dB, reverse-cumsummed within the chunk, are dgk; their sum
+    over keys, reverse-cumsummed, is dg."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    total = tl.zeros([64], dtype=tl.float32)
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        d = _load_tile(db, tok0, rows, HV, hv, K, cols, n_valid)
+        _store_tile(dgk, _reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
+        total += tl.sum(d, axis=1)
+    if HAS_G:
+        _store_vec(dg, _reverse_cumsum(total), tok0, rows, HV, hv, n_valid)
