@@ -1,9 +1,11 @@
 """The `flash-dma` command.
 
-    flash-dma bench [attention|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
+    flash-dma bench [attention|gdn|dhu|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
 
 On a CUDA GPU: times each op beside its peers (those installed; a missing one is named in a note)
-and prints a report per op. Without a GPU it cannot time anything; it says so, runs a tiny
+and prints a report per op: attention (dynamic mask attention), gdn (the chunked gated delta rule,
+forward and backward) and dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_dhu); all
+runs the three. Without a GPU it cannot time anything; it says so, runs a tiny
 correctness check of each op in Triton's CPU interpreter, and exits 0.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import subprocess
 import sys
 
-OPS = ("attention",)  # more ops join as they land
+OPS = ("attention", "gdn", "dhu")  # more ops join as they land
 
 
 class _TextProgress:
@@ -45,6 +47,42 @@ def _run_selfcheck() -> int:
     return subprocess.call([sys.executable, "-m", "flash_dma.benchmarks.selfcheck"], env=env)
 
 
+def _runner(op: str):
+    """op -> run(quick, progress_factory) -> (sections, notes)."""
+    if op == "attention":
+        from .benchmarks import attention
+        return attention.run
+    from .benchmarks import gdn
+    return {"gdn": gdn.run_op, "dhu": gdn.run_dhu}[op]
+
+
+def run_bench(ops, quick: bool = False, json_path: str | None = None, plot: str | None = None,
+              report: str | None = None) -> int:
+    """Time the given ops on this GPU, print one report, write the files asked for."""
+    from .benchmarks.common import environment, format_report, write_json, write_plot
+    env = environment()
+    sections, notes = [], []
+    for op in ops:
+        secs, op_notes = _runner(op)(quick, _progress(op))
+        sections += secs
+        notes += [n for n in op_notes if n not in notes]
+    title = "flash-dma bench " + "+".join(ops) + (" (quick)" if quick else "")
+    text = format_report(title, env, sections) + "".join(f"\nnote: {n}" for n in notes)
+    print(text)
+    if json_path:
+        write_json(json_path, title, env, sections, notes)
+        print(f"wrote {json_path}")
+    if plot:
+        if write_plot(plot, title, env, sections):
+            print(f"wrote {plot}")
+        else:
+            print("note: --plot needs matplotlib (pip install 'flash-dma[bench]')")
+    if report:
+        with open(report, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
 def bench(args) -> int:
     import torch
     if not torch.cuda.is_available():
@@ -54,31 +92,8 @@ def bench(args) -> int:
         if rc != 0:
             print("flash-dma bench: the correctness check FAILED", file=sys.stderr)
         return 0
-    from .benchmarks import attention
-    from .benchmarks.common import environment, format_report, write_json, write_plot
     ops = OPS if args.op == "all" else (args.op,)
-    env = environment()
-    sections, notes = [], []
-    for op in ops:
-        if op == "attention":
-            secs, op_notes = attention.run(args.quick, _progress("attention"))
-            sections += secs
-            notes += op_notes
-    title = "flash-dma bench " + "+".join(ops) + (" (quick)" if args.quick else "")
-    text = format_report(title, env, sections) + "".join(f"\nnote: {n}" for n in notes)
-    print(text)
-    if args.json:
-        write_json(args.json, title, env, sections, notes)
-        print(f"wrote {args.json}")
-    if args.plot:
-        if write_plot(args.plot, title, env, sections):
-            print(f"wrote {args.plot}")
-        else:
-            print("note: --plot needs matplotlib (pip install 'flash-dma[bench]')")
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return run_bench(ops, args.quick, args.json, args.plot, args.report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time the kernels beside their peers on this GPU")
     b.add_argument("op", nargs="?", default="all", choices=OPS + ("all",))
-    b.add_argument("--quick", action="store_true", help="a few configurations (about a minute)")
+    b.add_argument("--quick", action="store_true", help="a few configurations (about a minute, plus FLA's first-call autotuning)")
     b.add_argument("--json", metavar="PATH", help="write every number with its metadata")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of throughput against length")
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")

@@ -1,12 +1,14 @@
 """The benchmark report: formatting, geometric means, JSON, missing peers, and the no-GPU path."""
+import itertools
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flash_dma.benchmarks import attention
+from flash_dma.benchmarks import attention, gdn
 from flash_dma.benchmarks.common import Row, Section, format_report, geometric_mean, write_json, write_plot
 from flash_dma.cli import build_parser
 
@@ -101,3 +103,254 @@ def test_json_round_trip(tmp_path):
     title, env, sections, notes = load_json(str(path))
     assert title == "t" and env == ENV and notes == ["n"]
     assert sections[0].rows == synthetic_sections()[0].rows
+
+
+# ---- the gated delta rule benchmarks (flash_dma.benchmarks.gdn): plans, bytes, inputs, reports ----
+
+
+def fake_timer(fn):
+    fn()
+    return 1.0
+
+
+def test_dhu_plan_covers_the_issue():
+    plan = gdn.dhu_plan(quick=False)
+    regular = [(s, m) for s, m in plan if s.seqlens is None]
+    assert {(s.B, s.T, s.H) for s, _ in regular} == {(b, t, h) for b in (1, 2, 4)
+                                                     for t in (2048, 4096, 8192, 16384) for h in (16, 32)}
+    assert all(m == ("A", "B", "C", "D", "E") and (s.K, s.V) == (128, 128) for s, m in plan)
+    varlen = [s for s, _ in plan if s.seqlens is not None]
+    assert [(s.T, s.H, s.B) for s in varlen] == [(8192, 64, 1), (32768, 64, 1)]
+    for s in varlen:
+        assert 20 <= len(s.seqlens) <= 25 and sum(s.seqlens) == s.T and min(s.seqlens) >= 1
+    quick = gdn.dhu_plan(quick=True)
+    assert 4 <= sum(len(m) for _, m in quick) <= 12
+
+
+def test_varlen_lengths_are_fixed_by_the_seed():
+    a, b = gdn.varlen_lengths(8192, 5), gdn.varlen_lengths(8192, 5)
+    assert a == b and sum(a) == 8192 and 20 <= len(a) <= 25
+    assert gdn.varlen_lengths(8192, 6) != a
+
+
+def test_dhu_bytes_match_the_anchor_floor():
+    # anchors.md: B1 T8192 H16 mode A moves about 270 MB (q, k, w, do, dv in; dh, dv2 out)
+    s = gdn.DhuShape(1, 8192, 16)
+    tok = 8192 * 16 * 128 * 2
+    assert gdn.dhu_bytes(s, "A") == 6 * tok + 128 * 16 * 128 * 128 * 2
+    assert 260e6 < gdn.dhu_bytes(s, "A") < 275e6
+    state = 16 * 128 * 128 * 4
+    assert gdn.dhu_bytes(s, "B") - gdn.dhu_bytes(s, "A") == 2 * state  # dht read, dh0 written
+    assert gdn.dhu_bytes(s, "C") - gdn.dhu_bytes(s, "A") == 8192 * 16 * 4
+    assert gdn.dhu_bytes(s, "D") - gdn.dhu_bytes(s, "A") == 8192 * 16 * 128 * 4
+    assert gdn.dhu_bytes(s, "E") == gdn.dhu_bytes(s, "C") + gdn.dhu_bytes(s, "D") - gdn.dhu_bytes(s, "A")
+    packed = gdn.DhuShape(1, 130, 2, seqlens=(64, 1, 65))  # chunks: 1 + 1 + 2
+    assert packed.n_chunks() == 4 and packed.n_seqs == 3
+    assert gdn.dhu_bytes(packed, "B") - gdn.dhu_bytes(packed, "A") == 2 * 3 * 2 * 128 * 128 * 4
+
+
+def test_op_plan_covers_the_issue():
+    shapes = {(c.B, c.T, c.H, c.K, c.V) for c in gdn.op_plan(quick=False) if not c.states}
+    assert shapes == {(4, 4096, 16, 128, 128), (1, 8192, 16, 128, 128), (1, 32768, 16, 128, 128),
+                      (8, 4096, 32, 128, 128), (2, 8192, 8, 256, 256)}
+    assert len(gdn.op_plan(quick=True)) >= 1
+
+
+def test_chunk_local_cumsum_restarts_at_chunks_and_sequences():
+    seqlens = (5, 1, 10)
+    x = torch.randn(1, 16, 3)
+    got = gdn.chunk_local_cumsum(x, 4, seqlens)
+    want = torch.empty_like(x)
+    start = 0
+    for n in seqlens:
+        for c in range(start, start + n, 4):
+            end = min(c + 4, start + n)
+            want[:, c:end] = x[:, c:end].cumsum(1)
+        start += n
+    assert torch.allclose(got, want, atol=1e-6)
+    last = gdn.at_chunk_last(torch.arange(16.0).view(1, 16), 4, seqlens)
+    assert last.view(-1).tolist() == [3, 3, 3, 3, 4, 5, 9, 9, 9, 9, 13, 13, 13, 13, 15, 15]
+    plain = gdn.chunk_local_cumsum(x, 8)
+    assert torch.allclose(plain[:, 8:], x[:, 8:].cumsum(1), atol=1e-6)
+
+
+def _chunk_state_forward(q, k, w, u, g, gk, h0, scale, seqs, chunk):
+    """The chunk form's state pass (spec), fp64 and differentiable: the loss whose gradient
+    bwd_dhu computes. Returns (o, v_new, final states, the state entering every chunk)."""
+    o, v_new = torch.zeros_like(u), torch.zeros_like(u)
+    finals, entering = [], []
+    for b, s, e, S in seqs:
+        S = S.clone()
+        for lo in range(s, e, chunk):
+            hi = min(lo + chunk, e)
+            S.retain_grad()
+            entering.append((b, S))
+            qc = q[b, lo:hi]
+            if g is not None:
+                qc = qc * g[b, lo:hi].exp()[..., None]
+            o[b, lo:hi] = scale * torch.einsum("thk,hkv->thv", qc, S)
+            v_new[b, lo:hi] = u[b, lo:hi] - torch.einsum("thk,hkv->thv", w[b, lo:hi], S)
+            vn = v_new[b, lo:hi]
+            decay = torch.ones(S.shape[0], S.shape[1], 1, dtype=S.dtype)
+            if g is not None:
+                vn = vn * (g[b, hi - 1] - g[b, lo:hi]).exp()[..., None]
+                decay = decay * g[b, hi - 1].exp()[:, None, None]
+            if gk is not None:
+                decay = decay * gk[b, hi - 1].exp()[:, :, None]
+            S = decay * S + torch.einsum("thk,thv->hkv", k[b, lo:hi], vn)
+        finals.append(S)
+    return o, v_new, finals, entering
+
+
+@pytest.mark.parametrize("seqlens", [None, (70, 1, 79)])
+@pytest.mark.parametrize("flags", [(), ("dht", "h0"), ("g",), ("gk",), ("g", "gk", "dht", "h0")])
+def test_dhu_reference_is_the_gradient_of_the_state_pass(flags, seqlens):
+    shape = gdn.DhuShape(2 if seqlens is None else 1, 150, 2, 8, 8, seqlens=seqlens)
+    base = gdn.make_dhu_base(shape, "cpu", seed=3, dtype=torch.float64)
+    args = gdn.dhu_mode_inputs(base, shape, "A", flags=flags)
+    dh, dh0, dv2 = gdn.dhu_reference(**args)
+    chunk = args["chunk_size"]
+    if seqlens is None:
+        bounds = [(b, 0, shape.T) for b in range(shape.B)]
+    else:
+        cu = [0, *torch.tensor(seqlens).cumsum(0).tolist()]
+        bounds = [(0, a, b) for a, b in itertools.pairwise(cu)]
+    # a leaf initial state always (zero when the mode has none), so every state's gradient exists
+    h0 = (torch.randn if "h0" in flags else torch.zeros)(len(bounds), 2, 8, 8, dtype=torch.float64)
+    h0.requires_grad_()
+    u = torch.randn(*args["dv"].shape, dtype=torch.float64, requires_grad=True)
+    seqs = [(b, s, e, h0[n]) for n, (b, s, e) in enumerate(bounds)]
+    o, v_new, finals, entering = _chunk_state_forward(args["q"], args["k"], args["w"], u, args["g"],
+                                                      args["gk"], None, args["scale"], seqs, chunk)
+    loss = (o * args["do"]).sum() + (v_new * args["dv"]).sum()
+    if "dht" in flags:
+        loss = loss + sum((f * args["dht"][n]).sum() for n, f in enumerate(finals))
+    loss.backward()
+    assert torch.allclose(dv2, u.grad, atol=1e-6, rtol=1e-5)  # dv2 = dL/dv_new = dL/du
+    if "h0" in flags:
+        assert torch.allclose(dh0.double(), h0.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert dh0 is None
+    if "dht" not in flags and "h0" not in flags:
+        assert torch.allclose(h0.grad, h0.grad)  # (h0 is zero here; its gradient is still defined)
+    # dh[c] = gradient of the state leaving chunk c = of the state entering the next chunk
+    flat = dh.reshape(-1, *dh.shape[2:]) if seqlens is not None else None
+    i = 0
+    for n, (b, s, e) in enumerate(bounds):
+        nt = -(-(e - s) // chunk)
+        for c in range(nt):
+            got = flat[i + c] if flat is not None else dh[b, c]
+            if c + 1 < nt:
+                want = entering[i + c + 1][1].grad
+            else:
+                want = args["dht"][n].double() if "dht" in flags else torch.zeros_like(got)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        i += nt
+
+
+def _fake_fla(reference_units_log2=True):
+    """An FLA stand-in: bwd_dhu as the reference but taking log2 gate units, like FLA's kernel."""
+    def dhu(**kw):
+        kw = {k: v for k, v in kw.items() if k not in ("chunk_indices", "chunk_offsets")}
+        return gdn.dhu_reference(**gdn.scale_gates(kw, 1 / gdn.RCP_LN2 if reference_units_log2 else 1.0))
+
+    def op(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
+        return gdn.recurrence_reference(q, k, v, g, beta, initial_state=initial_state,
+                                        output_final_state=output_final_state)
+    return SimpleNamespace(op=op, dhu=dhu, chunk_indices=lambda cu, c: None,
+                           chunk_offsets=lambda cu, c: None, version="fake")
+
+
+def test_gate_units_probe_finds_either_convention():
+    fla = _fake_fla()
+    factor, text = gdn.probe_gate_units(gdn.dhu_reference, fla, "cpu")
+    assert factor == 1.0 and "natural-log" in text and "NEITHER" not in text
+    log2_ours = _fake_fla().dhu  # takes log2 units, as FLA does
+    factor, text = gdn.probe_gate_units(log2_ours, fla, "cpu")
+    assert factor == pytest.approx(gdn.RCP_LN2) and "log2" in text
+
+
+def _tiny_dhu_plan(quick):
+    return [(gdn.DhuShape(1, 130, 2, 8, 8), ("A", "E")),
+            (gdn.DhuShape(1, 130, 2, 8, 8, seqlens=(64, 1, 65)), ("B",))]
+
+
+def test_dhu_sections_without_fla(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # import fails as if absent
+    monkeypatch.setattr(gdn, "_FLA", None)
+    monkeypatch.setattr(gdn, "dhu_plan", _tiny_dhu_plan)
+    monkeypatch.setattr(gdn, "load_ours", lambda name, notes: gdn.dhu_reference)
+    sections, notes = gdn.run_dhu(device="cpu", timer=fake_timer)
+    assert any("flash-linear-attention (FLA) not installed" in n for n in notes)
+    assert [s.title.split(" (")[0] for s in sections] == ["bwd_dhu mode A", "bwd_dhu mode E",
+                                                          "bwd_dhu, packed varlen batches"]
+    rows = [r for s in sections for r in s.rows]
+    assert all(r.peer == "-" and r.peer_ms is None and r.ours_ms == 1.0 and r.bytes for r in rows)
+    text = format_report("t", ENV, sections)
+    assert "varlen N3 T130 H2 B" in text and "geometric mean" not in text
+
+
+def test_dhu_sections_with_a_peer_format_and_round_trip(monkeypatch, tmp_path):
+    from flash_dma.benchmarks.common import load_json
+    monkeypatch.setattr(gdn, "_FLA", _fake_fla())
+    monkeypatch.setattr(gdn, "dhu_plan", _tiny_dhu_plan)
+    monkeypatch.setattr(gdn, "load_ours", lambda name, notes: gdn.dhu_reference)
+    sections, notes = gdn.run_dhu(device="cpu", timer=fake_timer)
+    assert any("ours took them in natural-log units" in n for n in notes)
+    assert any("geometric mean speedup vs FLA over all 3 rows 1.00x" in n for n in notes)
+    rows = [r for s in sections for r in s.rows]
+    assert all(r.peer == "FLA" and r.speedup == 1.0 and r.max_rel < 1e-2 for r in rows)
+    # bandwidth: the rate columns show GB/s, the note the share of the ceiling
+    row = gdn.Row("B1 T8192 H16", "FLA", 0.2, 0.1, 1e-3, 1e-3, bytes=268e6,
+                  note=gdn.bandwidth_note(268e6, 0.1, 0.2, 4.3e12))
+    text = format_report("t", ENV, [Section("bwd_dhu mode A", [row])] + sections)
+    line = next(ln for ln in text.splitlines() if ln.startswith("B1 T8192 H16 "))
+    assert "1340 GB/s" in line and "2680 GB/s" in line and "ours 62% FLA 31% of copy ceiling" in line
+    assert "geometric mean vs FLA" in text
+    path = tmp_path / "gdn.json"
+    write_json(str(path), "t", ENV, sections, notes)
+    _, _, back, back_notes = load_json(str(path))
+    assert [s.rows for s in back] == [s.rows for s in sections] and back_notes == notes
+    assert json.loads(path.read_text())["sections"][0]["geomean_speedup"]["FLA"] == pytest.approx(1.0)
+
+
+def test_op_section_with_and_without_a_peer(monkeypatch):
+    monkeypatch.setattr(gdn, "op_plan", lambda quick: [gdn.OpCase(1, 20, 2, 8, 8),
+                                                       gdn.OpCase(1, 20, 2, 8, 8, states=True)])
+    ours = _fake_fla().op
+    monkeypatch.setattr(gdn, "load_ours", lambda name, notes: ours)
+    monkeypatch.setattr(gdn, "_FLA", _fake_fla())
+    (sec,), notes = gdn.run_op(device="cpu", timer=fake_timer)
+    assert [r.config for r in sec.rows[:3]] == ["B1 T20 H2 K8 V8 fwd", "B1 T20 H2 K8 V8 bwd",
+                                                "B1 T20 H2 K8 V8 fwd+bwd"]
+    assert sec.rows[3].config.endswith("h0+ht fwd")
+    assert all(r.speedup == 1.0 and r.max_abs == 0.0 for r in sec.rows)
+    assert any(n.startswith("op bwd: geometric mean") for n in notes)
+    assert any(n.startswith("op first calls") for n in notes)
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setattr(gdn, "_FLA", None)
+    (sec,), notes = gdn.run_op(device="cpu", timer=fake_timer)
+    assert any("FLA) not installed" in n for n in notes)
+    assert all(r.peer_ms is None and r.ours_ms == 1.0 for r in sec.rows)
+    assert "n/a" in format_report("t", ENV, [sec])
+
+
+def test_fla_missing_is_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    reason = gdn.fla_available()
+    assert reason is not None and "flash-linear-attention" in reason
+
+
+def test_copy_ceiling_table():
+    assert gdn.copy_ceiling("NVIDIA H200", measure=False)[0] == 4.3e12
+    value, source = gdn.copy_ceiling("Some GPU", measure=False)
+    assert value is None and "unknown" in source
+    assert gdn.bandwidth_note(1e9, 1.0, None, None) == ""
+
+
+def test_cli_knows_the_gdn_ops():
+    from flash_dma.cli import OPS
+    assert build_parser().parse_args(["bench", "gdn"]).op == "gdn"
+    assert build_parser().parse_args(["bench", "dhu", "--quick"]).op == "dhu"
+    assert OPS == ("attention", "gdn", "dhu")

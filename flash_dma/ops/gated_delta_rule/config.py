@@ -28,20 +28,28 @@ _FULL_K = ("fwd_h", "bwd_dhu", "intra")
 
 
 def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
+    """Measured on an H200 (2026-11-21, bench notes): the sequential passes are latency-bound, so
+    narrow V tiles (more programs in flight) with a deep load pipeline win."""
     if kernel in ("fwd_h", "bwd_dhu"):
-        # the sequential passes: more V tiles = more programs in flight at low batch x heads
-        return GdnConfig(kp, 32 if kp <= 128 else 16, num_warps=4, num_stages=2)
+        return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
-    if kernel == "bwd_dqkw":
-        return GdnConfig(min(kp, 64), min(vp, 64), num_warps=4, num_stages=2)
     if kernel == "pair_grad":
         return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
-    return GdnConfig(min(kp, 64), min(vp, 64), num_warps=4, num_stages=2)  # prepare, bwd_wy
+    # prepare, bwd_dqkw, bwd_wy. K tiles narrower than 64 miscompile on Triton 3.6 / Hopper
+    # (a shared-memory overrun in the dqkw row sum, and NaN gradients with gk at K = 32): the
+    # tile stays 64 wide, masked beyond K.
+    return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
+
+
+# Set by sweeps (bench/tune_gdn.py): kernel -> config, ahead of everything else.
+OVERRIDES: dict[str, GdnConfig] = {}
 
 
 def select(kernel: str, K: int, V: int, device: torch.device) -> GdnConfig:
     kp, vp = head_dim_block(K), head_dim_block(V)
+    if kernel in OVERRIDES:
+        return OVERRIDES[kernel]
     if device.type != "cuda" or interpreter_active():
         full = kernel in _FULL_K
         return GdnConfig(kp if full else 16, 16, num_warps=1, num_stages=1)

@@ -289,7 +289,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
         pair_grad(k, scratch, dk, 1.0, True)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
         gdn_gate_grad_kernel[(layout.num_slots, B * HV)](
-            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=pair_cfg.block_k,
+            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=max(64, launch.head_dim_block(K)),
             HAS_G=has_g, IS_VARLEN=layout.is_varlen)
     dq = _group_sum(dq, H).to(q.dtype)
     dk = _group_sum(dk, H).to(k.dtype)

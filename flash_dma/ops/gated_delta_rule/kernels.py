@@ -127,9 +127,15 @@ def _row_of(x, r: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _last_of(x, n_valid):
-    """Entry n_valid - 1 of a [64] vector (the chunk's last valid row)."""
-    return tl.sum(tl.where(tl.arange(0, 64) == n_valid - 1, x, 0.0), axis=0)
+def _load_last(base, tok0, n_heads, head, n_valid):
+    """The scalar at the chunk's last valid row of a [tokens, n_heads] tensor."""
+    return tl.load(base + (tok0 + n_valid - 1) * n_heads + head).to(tl.float32)
+
+
+@triton.jit
+def _load_last_row(base, tok0, n_heads, head, D: tl.constexpr, cols):
+    """Row n_valid - 1 (pass tok0 + n_valid - 1 as tok0) of a [tokens, n_heads, D] tensor."""
+    return tl.load(base + (tok0 * n_heads + head) * D + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -422,8 +428,8 @@ def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk
     vcols = v_tile * BV + tl.arange(0, BV)
     rows = tl.arange(0, 64)
     if HAS_H0:
-        ptrs, mask = _state_ptrs(h0, seq, hv, HV, K, V, krows, vcols)
-        state = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        init_ptrs, init_mask = _state_ptrs(h0, seq, hv, HV, K, V, krows, vcols)
+        state = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for c in range(0, tl.cdiv(seq_len, 64)):
@@ -437,12 +443,12 @@ def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk
         kt = _load_tile(k, tok0, rows, H, head, K, krows, n_valid)
         if HAS_G:
             bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-            b_last = _last_of(bt, n_valid)
+            b_last = _load_last(g_cum, tok0, HV, hv, n_valid)
             vn = vn * tl.exp(b_last - bt)[:, None]
             state = state * tl.exp(b_last)
         if HAS_GK:
             ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
-            c_last = _last_row_of(ct, n_valid)
+            c_last = _load_last_row(gk_cum, tok0 + n_valid - 1, HV, hv, K, krows)
             kt = (kt * tl.exp(c_last[None, :] - ct)).to(kt.dtype)
             state = state * tl.exp(c_last)[:, None]
         state += tl.dot(tl.trans(kt), vn.to(kt.dtype))
@@ -547,8 +553,8 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     vcols = v_tile * BV + tl.arange(0, BV)
     rows = tl.arange(0, 64)
     if HAS_DHT:
-        ptrs, mask = _state_ptrs(dht, seq, hv, HV, K, V, krows, vcols)
-        state = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        init_ptrs, init_mask = _state_ptrs(dht, seq, hv, HV, K, V, krows, vcols)
+        state = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     dt = q.dtype.element_ty
@@ -563,26 +569,27 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
         dot_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
         dvt = _load_tile(dv, tok0, rows, HV, hv, V, vcols, n_valid)
-        qgate = tl.zeros([64, 1], dtype=tl.float32) + scale
         if HAS_GK:
-            ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
-            c_last = _last_row_of(ct, n_valid)
+            c_last = _load_last_row(gk_cum, tok0 + n_valid - 1, HV, hv, K, krows)
             if GATE_QK:
+                ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
                 kt = (kt * tl.exp(c_last[None, :] - ct)).to(dt)
-                qgate = qgate * tl.exp(ct)
+                qt = (qt * tl.exp(ct)).to(dt)
         kd = tl.dot(kt, state.to(dt))
         if HAS_G:
+            # (q e^g)^T do = q^T (e^g do): the gate goes on do's rows, q stays a plain load
             bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-            b_last = _last_of(bt, n_valid)
+            b_last = _load_last(g_cum, tok0, HV, hv, n_valid)
             kd = kd * tl.exp(b_last - bt)[:, None]
-            qgate = qgate * tl.exp(bt)[:, None]
+            dot_t = dot_t * tl.exp(bt)[:, None]
             state = state * tl.exp(b_last)
         if HAS_GK:
             state = state * tl.exp(c_last)[:, None]
-        qt = (qt * qgate).to(dt)
         dv2t = dvt.to(tl.float32) + kd
         _store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
-        state += tl.dot(tl.trans(qt), dot_t.to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
+        # scale on do's rows too: do then reaches the MMA from registers in every mode, which
+        # measured faster than straight from its load when there is no gate (H200)
+        state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
     if STORE_DH0:
         ptrs, mask = _state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)
         tl.store(ptrs, state, mask=mask)
@@ -635,10 +642,10 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         do_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
         vn_t = _load_tile(v_new, tok0, rows, HV, hv, V, vcols, n_valid)
         dv2_t = _load_tile(dv2, tok0, rows, HV, hv, V, vcols, n_valid).to(do_t.dtype)
-        ptrs, mask = _state_ptrs(h, chunk, hv, HV, K, V, kcols, vcols)
-        h_t = tl.load(ptrs, mask=mask, other=0.0)
-        ptrs, mask = _state_ptrs(dh, chunk, hv, HV, K, V, kcols, vcols)
-        dh_t = tl.load(ptrs, mask=mask, other=0.0)
+        h_ptrs, s_mask = _state_ptrs(h, chunk, hv, HV, K, V, kcols, vcols)
+        h_t = tl.load(h_ptrs, mask=s_mask, other=0.0)
+        dh_ptrs, s_mask = _state_ptrs(dh, chunk, hv, HV, K, V, kcols, vcols)
+        dh_t = tl.load(dh_ptrs, mask=s_mask, other=0.0)
         dqg += tl.dot(do_t, tl.trans(h_t))
         dwa += tl.dot(dv2_t, tl.trans(h_t))
         dkl += tl.dot(vn_t, tl.trans(dh_t))
@@ -655,8 +662,8 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
     gate += tl.where((rows == n_valid - 1)[:, None], last_extra[None, :], 0.0)
     if HAS_GK:
         if k_tile == 0:
-            ptrs, mask = _square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
-            tl.store(ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=mask)
+            dp_ptrs, dp_mask = _square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
+            tl.store(dp_ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=dp_mask)
     else:
         if HAS_G:
             b_row = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
@@ -700,8 +707,8 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, 
     head = hv // (HV // H)
     tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
     rows = tl.arange(0, 64)
-    ptrs, mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
-    tmat = tl.load(ptrs, mask=mask, other=0.0)
+    t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
+    tmat = tl.load(t_ptrs, mask=t_mask, other=0.0)
     beta_t = _load_vec(beta, tok0, rows, HV, hv, n_valid)
     kdt = k.dtype.element_ty
     vdt = v.dtype.element_ty
@@ -730,8 +737,8 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, 
     d_a = -tl.dot(tl.dot(tl.trans(tmat), d_t), tl.trans(tmat))
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
     if HAS_GK:
-        ptrs, mask = _square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
-        tl.store(ptrs, d_a, mask=mask)
+        da_ptrs, da_mask = _square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
+        tl.store(da_ptrs, d_a, mask=da_mask)
         d_ag = d_a  # unused
     else:
         if HAS_G:
@@ -753,8 +760,8 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, 
         dbeta_t += tl.sum(dkb * kbase, axis=1)
         gate_w = kbase * beta_t[:, None] * dkb
         if HAS_GK:
-            ptrs, mask = _tile_ptrs(db, tok0, rows, HV, hv, K, kcols, n_valid)
-            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + gate_w, mask=mask)
+            db_ptrs, db_mask = _tile_ptrs(db, tok0, rows, HV, hv, K, kcols, n_valid)
+            tl.store(db_ptrs, tl.load(db_ptrs, mask=db_mask, other=0.0) + gate_w, mask=db_mask)
         else:
             dk_t += (beta_t[:, None] * tl.dot(d_ag.to(kdt), k_t)
                      + tl.dot(tl.trans(d_ag * beta_t[:, None]).to(kdt), k_t))
@@ -895,17 +902,15 @@ def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
                          HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                          HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """With gk: the per-key gate terms dB, reverse-cumsummed within the chunk, are dgk; their sum
-    over keys, reverse-cumsummed, is dg."""
+    over keys, reverse-cumsummed, is dg. BK covers all of K (a loop-carried row sum here trips
+    Triton 3.6's thread-locality pass on Hopper)."""
     slot = tl.program_id(0)
     bhv = tl.program_id(1)
     hv = bhv % HV
     tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
     rows = tl.arange(0, 64)
-    total = tl.zeros([64], dtype=tl.float32)
-    for k_start in range(0, K, BK):
-        cols = k_start + tl.arange(0, BK)
-        d = _load_tile(db, tok0, rows, HV, hv, K, cols, n_valid)
-        _store_tile(dgk, _reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
-        total += tl.sum(d, axis=1)
+    cols = tl.arange(0, BK)
+    d = _load_tile(db, tok0, rows, HV, hv, K, cols, n_valid)
+    _store_tile(dgk, _reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
     if HAS_G:
-        _store_vec(dg, _reverse_cumsum(total), tok0, rows, HV, hv, n_valid)
+        _store_vec(dg, _reverse_cumsum(tl.sum(d, axis=1)), tok0, rows, HV, hv, n_valid)

@@ -1,0 +1,41 @@
+"""The chunked gated delta rule beside flash-linear-attention 0.6.0: the whole op (fwd, bwd,
+fwd+bwd) and the state-gradient pass bwd_dhu, in one process.
+
+    python bench/bench_gdn.py [--quick] [--only gdn|dhu]
+
+The same as `flash-dma bench gdn` followed by `flash-dma bench dhu`, in one report, written
+under bench/results/ as gdn-<GPU>-<date>.txt and .json. FLA comes from .peers/ (anchors.md):
+
+    pip install --no-index --no-deps --target /tmp/site .peers/wheels/*.whl
+    PYTHONPATH=/tmp/site python bench/bench_gdn.py
+
+Without FLA the sections show our times only, with a note. FLA's first call of each new shape
+family autotunes for about 100 s (untimed; the notes say how long), so the full run takes
+several minutes; bwd_dhu alone (--only dhu) about three.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from flash_dma.cli import run_bench  # noqa: E402
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of configurations")
+    parser.add_argument("--only", choices=("gdn", "dhu"), help="one of the two benchmarks")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gdn.py: no CUDA GPU here; nothing can be timed (flash-dma bench runs the "
+                 "interpreter self-check instead)")
+    out = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    device = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    ops = (args.only,) if args.only else ("gdn", "dhu")
+    name = "gdn" if args.only in (None, "gdn") else "dhu"
+    stem = os.path.join(out, f"{name}-{device}-{datetime.date.today():%Y%m%d}{'-quick' if args.quick else ''}")
+    sys.exit(run_bench(ops, args.quick, json_path=stem + ".json", report=stem + ".txt"))
