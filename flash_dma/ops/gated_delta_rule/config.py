@@ -46,7 +46,10 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
 OVERRIDES: dict[str, GdnConfig] = {}
 
 
-def select(kernel: str, K: int, V: int, device: torch.device) -> GdnConfig:
+def select(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int = 0) -> GdnConfig:
+    """sequences_x_heads: for the sequential passes, the (sequence, value head) pairs, which set
+    how many programs a V tile width gives: narrow tiles only while the GPU is not yet full
+    (each V tile re-reads q, k and w)."""
     kp, vp = head_dim_block(K), head_dim_block(V)
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
@@ -58,4 +61,12 @@ def select(kernel: str, K: int, V: int, device: torch.device) -> GdnConfig:
     hit = tuning_cache.lookup(key)
     if hit:
         return GdnConfig(**hit)
-    return _default(kernel, kp, vp)
+    cfg = _default(kernel, kp, vp)
+    if kernel in ("fwd_h", "bwd_dhu") and sequences_x_heads:
+        for width in (16, 32, 64):
+            if width >= vp or sequences_x_heads * (vp // width) <= info.sm_count:
+                break
+        cfg = GdnConfig(cfg.block_k, min(width, vp), cfg.num_warps, cfg.num_stages if width < 64 else 2)
+    if kernel == "intra":  # V tiles of 16 gave wrong outputs on the H200 (Triton 3.6)
+        cfg = GdnConfig(cfg.block_k, max(cfg.block_v, 32), cfg.num_warps, cfg.num_stages)
+    return cfg

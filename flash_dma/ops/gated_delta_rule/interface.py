@@ -27,6 +27,7 @@ from .kernels import (
 
 CHUNK = 64
 MAX_HEAD_DIM = 256
+_MIN_GPU_V = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -175,7 +176,7 @@ def _states(k, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_fi
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
     v_new = torch.empty_like(u)
     final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
-    cfg = launch.select("fwd_h", K, V, dev)
+    cfg = launch.select("fwd_h", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
     grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
     gdn_fwd_h_kernel[grid](
@@ -214,7 +215,7 @@ def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout:
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
     dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dv2 = torch.empty_like(dv)
-    cfg = launch.select("bwd_dhu", K, V, dev)
+    cfg = launch.select("bwd_dhu", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
     grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
     gdn_bwd_dhu_kernel[grid](
@@ -345,9 +346,19 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     # Gates in fp32 (the casts are autograd ops, so their gradients come back in the given dtype).
     g32 = None if g is None else _rows(g.float())
     gk32 = None if gk is None else _rows(gk.float())
+    # On the H200 (Triton 3.6) value dims under 32 gave wrong outputs: zero-pad V (zero value
+    # columns stay zero in every state and output) and slice the results; autograd does the rest.
+    pad_v = _MIN_GPU_V - V if (q.is_cuda and V < _MIN_GPU_V) else 0
+    if pad_v:
+        v = torch.nn.functional.pad(v, (0, pad_v))
+        if initial_state is not None:
+            initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
     o, final = ChunkGatedDeltaRuleFunction.apply(_rows(q), _rows(k), _rows(v), g32, gk32, _rows(beta),
                                                  float(scale), initial_state, bool(output_final_state),
                                                  cu_seqlens)
+    if pad_v:
+        o = o[..., :V]
+        final = None if final is None else final[..., :V]
     return o, (final if output_final_state else None)
 
 
