@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..ops.gated_delta_rule import reference
 from .common import Row, Section, compare, geometric_mean, time_ms
 
 DTYPE = torch.bfloat16
@@ -213,13 +214,9 @@ def chunk_bounds(T: int, chunk: int, seqlens: Sequence[int] | None = None, devic
 
 
 def chunk_local_cumsum(x: torch.Tensor, chunk: int, seqlens: Sequence[int] | None = None) -> torch.Tensor:
-    """Cumulative sum over dim 1 restarting at every chunk (and sequence); fp32 out, fp64 inside."""
-    T = x.shape[1]
-    first, _ = chunk_bounds(T, chunk, seqlens, x.device)
-    c = x.double().cumsum(1)
-    before = c.index_select(1, (first - 1).clamp_min(0))
-    keep = (first > 0).view(1, T, *([1] * (x.dim() - 2)))
-    return (c - before * keep).float()
+    """Cumulative sum over dim 1 restarting at every chunk (and sequence), fp32 out."""
+    cu = None if seqlens is None else _cu_seqlens(seqlens, x.device)
+    return reference.chunk_local_cumsum(x.double(), chunk, cu).float()
 
 
 def at_chunk_last(x: torch.Tensor, chunk: int, seqlens: Sequence[int] | None = None) -> torch.Tensor:
@@ -295,47 +292,12 @@ def scale_gates(args: dict, factor: float) -> dict:
 
 def dhu_reference(q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, cu_seqlens=None,
                   chunk_size=CHUNK):
-    """bwd_dhu as the spec writes it (gates: chunk-local cumsums, natural log), fp64, slow loops.
-    Returns (dh [B, NT, H, K, V] in q's dtype, dh0 fp32 or None, dv2 in dv's dtype)."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    f = {n: (t.double() if t is not None else None) for n, t in
-         {"q": q, "k": k, "w": w, "do": do, "dv": dv, "g": g, "gk": gk, "dht": dht}.items()}
+    """bwd_dhu as the spec writes it (the package's fp64 reference), with the op's output dtypes:
+    (dh in q's dtype, dh0 fp32 or None, dv2 in dv's dtype)."""
+    dh, dh0, dv2 = reference.bwd_dhu_reference(q, k, w, do, dv, g=g, gk=gk, h0=h0, dht=dht, scale=scale,
+                                               cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if cu_seqlens is not None:
-        cu = [int(c) for c in cu_seqlens.tolist()]
-        seqs = [(0, a, b) for a, b in itertools.pairwise(cu)]
-    else:
-        seqs = [(b, 0, T) for b in range(B)]
-    nts = [-(-(e - s) // chunk_size) for _, s, e in seqs]
-    NT = sum(nts) if cu_seqlens is not None else nts[0]
-    f64 = {"dtype": torch.float64, "device": q.device}
-    dh = torch.zeros(B, NT, H, K, V, **f64)
-    dv2 = f["dv"].clone()
-    dh0 = torch.zeros(len(seqs), H, K, V, **f64) if h0 is not None else None
-    offset = 0
-    for n, ((b, s, e), nt) in enumerate(zip(seqs, nts)):
-        D = f["dht"][n].clone() if dht is not None else torch.zeros(H, K, V, **f64)
-        for c in range(nt - 1, -1, -1):
-            lo, hi = s + c * chunk_size, min(s + (c + 1) * chunk_size, e)
-            dh[b, offset + c if cu_seqlens is not None else c] = D
-            qc, kc, wc, doc = (f[x][b, lo:hi] for x in ("q", "k", "w", "do"))
-            kd = torch.einsum("thk,hkv->thv", kc, D)
-            if g is not None:
-                gc = f["g"][b, lo:hi]  # [t, H]
-                kd = kd * (gc[-1] - gc).exp()[..., None]
-                qc = qc * gc.exp()[..., None]
-            dv2[b, lo:hi] = f["dv"][b, lo:hi] + kd
-            decay = torch.ones(H, K, 1, **f64)
-            if g is not None:
-                decay = decay * f["g"][b, hi - 1].exp()[:, None, None]
-            if gk is not None:
-                decay = decay * f["gk"][b, hi - 1].exp()[:, :, None]
-            D = (decay * D + scale * torch.einsum("thk,thv->hkv", qc, doc)
-                 - torch.einsum("thk,thv->hkv", wc, dv2[b, lo:hi]))
-        if dh0 is not None:
-            dh0[n] = D
-        offset += nt
+        dh = dh.reshape(1, -1, *dh.shape[2:])
     return dh.to(q.dtype), (dh0.float() if dh0 is not None else None), dv2.to(dv.dtype)
 
 
@@ -361,26 +323,9 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
 
 def recurrence_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                          gk=None):
-    """The spec's token-by-token recurrence in fp64 (differentiable; small sizes only).
-    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; gk [B, T, HV, K]."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    scale = K ** -0.5 if scale is None else scale
-    rep = HV // H
-    q, k = (t.double().repeat_interleave(rep, dim=2) for t in (q, k))
-    v, g, beta = v.double(), g.double(), beta.double()
-    S = (initial_state.double() if initial_state is not None
-         else torch.zeros(B, HV, K, V, dtype=torch.float64, device=q.device))
-    outs = []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None, None]
-        if gk is not None:
-            S = S * gk[:, t].double().exp()[..., None]
-        kt = k[:, t]  # [B, HV, K]
-        u = beta[:, t][..., None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
-        S = S + kt[..., None] * u[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, scale * q[:, t]))
-    return torch.stack(outs, 1), (S if output_final_state else None)
+    """The spec's token-by-token recurrence in fp64 (the package's reference; small sizes only)."""
+    return reference.gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state, gk=gk)
 
 
 # --------------------------------------------------------------------------------------------

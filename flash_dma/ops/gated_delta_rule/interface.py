@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...hardware import interpreter_active
 from ...validation import check_same_device, check_shape, check_tensor
 from . import config as launch
 from .kernels import (
@@ -92,7 +91,7 @@ def _check_head_dim(name: str, dim: int) -> None:
         raise ValueError(f"{name}: head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
 
 
-def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device) -> None:
+def _check_cu_seqlens(cu_seqlens, batch: int, device) -> None:
     if cu_seqlens is None:
         return
     check_tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int32, torch.int64))
@@ -131,7 +130,7 @@ def _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size
         raise ValueError(f"chunk_size: only {CHUNK} is supported, got {chunk_size}")
     device = check_same_device({"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta,
                                 "initial_state": initial_state})
-    _check_cu_seqlens(cu_seqlens, B, T, device)
+    _check_cu_seqlens(cu_seqlens, B, device)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,))
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -395,7 +394,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
         check_shape("gk", gk, (B, T, HV, K), "[B, T, HV, K] chunk-local cumsum, fp32")
     device = check_same_device({"q": q, "k": k, "w": w, "do": do, "dv": dv, "g": g, "gk": gk,
                                 "h0": h0, "dht": dht})
-    _check_cu_seqlens(cu_seqlens, B, T, device)
+    _check_cu_seqlens(cu_seqlens, B, device)
     n = B if cu_seqlens is None else cu_seqlens.numel() - 1
     for name, t in (("h0", h0), ("dht", dht)):
         if t is not None:
@@ -408,7 +407,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
                             gk if gk is None else _rows(gk), None if dht is None else _rows(dht),
                             h0 is not None, float(scale), layout, gate_qk=False)
     if layout.is_varlen:
-        total = int(layout.chunk_offsets[-1] + (cu_seqlens[-1] - cu_seqlens[-2] + CHUNK - 1) // CHUNK) if n else 0
+        total = int(((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).sum())  # the host sync
         dh = dh[:total].unsqueeze(0)
     else:
         dh = dh.view(B, -1, HV, K, V)

@@ -113,6 +113,19 @@ def _state_ptrs(base, index, hv, HV: tl.constexpr, K: tl.constexpr, V: tl.conste
 
 
 @triton.jit
+def _initial_state(base, seq, hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, krows, vcols,
+                   GIVEN: tl.constexpr):
+    """A sequential pass's starting [BK, BV] fp32 state: from `base` (h0 or dht) or zeros."""
+    if GIVEN:
+        ptrs, mask = _state_ptrs(base, seq, hv, HV, K, V, krows, vcols)
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        rows: tl.constexpr = krows.shape[0]
+        cols: tl.constexpr = vcols.shape[0]
+        return tl.zeros([rows, cols], dtype=tl.float32)
+
+
+@triton.jit
 def _square_ptrs(base, tok0, rows, HV: tl.constexpr, hv, cols, n_valid):
     """A [rows, cols] tile of a per-chunk [64, 64] matrix stored as [tokens, HV, 64]."""
     offs = ((tok0 + rows)[:, None] * HV + hv) * 64 + cols[None, :]
@@ -427,11 +440,7 @@ def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk
     krows = tl.arange(0, BK)
     vcols = v_tile * BV + tl.arange(0, BV)
     rows = tl.arange(0, 64)
-    if HAS_H0:
-        init_ptrs, init_mask = _state_ptrs(h0, seq, hv, HV, K, V, krows, vcols)
-        state = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BK, BV], dtype=tl.float32)
+    state = _initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
     for c in range(0, tl.cdiv(seq_len, 64)):
         tok0 = bos + c * 64
         n_valid = tl.minimum(seq_len - c * 64, 64).to(tl.int32)
@@ -552,11 +561,7 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     krows = tl.arange(0, BK)
     vcols = v_tile * BV + tl.arange(0, BV)
     rows = tl.arange(0, 64)
-    if HAS_DHT:
-        init_ptrs, init_mask = _state_ptrs(dht, seq, hv, HV, K, V, krows, vcols)
-        state = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BK, BV], dtype=tl.float32)
+    state = _initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
     dt = q.dtype.element_ty
     for c_rev in range(0, tl.cdiv(seq_len, 64)):
         c = tl.cdiv(seq_len, 64) - 1 - c_rev
