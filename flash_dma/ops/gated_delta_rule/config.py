@@ -42,6 +42,22 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
 
 
+def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> GdnConfig:
+    """The sequential passes run one program per (V tile, sequence, head): latency-bound while
+    the GPU is not full, bandwidth-bound after (each V tile re-reads q, k, w). Measured on an
+    H200 at K = V = 128 (bench/NOTES.md, 2026-11-21): the narrowest tile that still fills the
+    SMs with 4 warps and 3 stages; once 64-wide tiles are needed, 8 warps and 3 stages (4 warps
+    spill the [K, 64] state), except for the forward pass past one wave (4 warps, 2 stages)."""
+    stages = 3 if kp <= 128 else 2  # K = 256: three stages of q/k/w tiles overflow shared memory
+    for width in (16, 32):
+        if width < vp and pairs * (vp // width) <= sm_count:
+            return GdnConfig(kp, width, num_warps=4, num_stages=stages)
+    width = min(vp, 64)
+    if kernel == "fwd_h" and pairs * (vp // width) > sm_count:
+        return GdnConfig(kp, width, num_warps=4, num_stages=2)
+    return GdnConfig(kp, width, num_warps=8, num_stages=stages)
+
+
 # Set by sweeps (bench/tune_gdn.py): kernel -> config, ahead of everything else.
 OVERRIDES: dict[str, GdnConfig] = {}
 
@@ -63,10 +79,7 @@ def select(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
         return GdnConfig(**hit)
     cfg = _default(kernel, kp, vp)
     if kernel in ("fwd_h", "bwd_dhu") and sequences_x_heads:
-        for width in (16, 32, 64):
-            if width >= vp or sequences_x_heads * (vp // width) <= info.sm_count:
-                break
-        cfg = GdnConfig(cfg.block_k, min(width, vp), cfg.num_warps, cfg.num_stages if width < 64 else 2)
+        cfg = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count)
     if kernel == "intra":  # V tiles of 16 gave wrong outputs on the H200 (Triton 3.6)
         cfg = GdnConfig(cfg.block_k, max(cfg.block_v, 32), cfg.num_warps, cfg.num_stages)
     return cfg

@@ -1,8 +1,9 @@
 """Chunked gated delta rule: argument checks, launches and autograd.
 
-Forward: prepare (gates, WY representation) -> states -> output. The backward saves nothing per
-chunk from the forward: it runs prepare and the state pass again, then the state-gradient pass
-(`chunk_gated_delta_rule_bwd_dhu`, public) and two chunk-parallel gradient kernels.
+Forward: prepare (gates, WY representation) -> states -> output. The backward keeps what FLA keeps
+(the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
+recomputes w, u and the states, then runs the state-gradient pass (`chunk_gated_delta_rule_bwd_dhu`,
+public) and the chunk-parallel gradient kernels.
 """
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ from .kernels import (
     gdn_gated_pair_grad_kernel,
     gdn_intra_kernel,
     gdn_prepare_kernel,
+    gdn_recompute_wu_kernel,
 )
 
 CHUNK = 64
 MAX_HEAD_DIM = 256
 _MIN_GPU_V = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+# T = (I + A)^-1 per chunk, kept from the forward for the backward's WY gradient (dA = -T^T dT T^T
+# is sensitive to its rounding, hence fp32).
+WY_INVERSE_DTYPE = torch.float32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,7 +151,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Launch helpers
 # ------------------------------------------------------------------------------------------------
-def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_ai: bool):
+def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout):
+    """Gate cumsums, T = (I + A)^-1 per chunk (kept: the backward reuses it), w, u and, with gk,
+    the gated query-key matrix."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -155,17 +162,33 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_ai: bool):
     gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) if has_gk else None
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-    ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if store_ai else None
+    ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=WY_INVERSE_DTYPE)
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
     cfg = launch.select("prepare", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
     gdn_prepare_kernel[(layout.num_slots, B * HV)](
         q, k, v, beta, g if has_g else w, gk if has_gk else w, g_cum if has_g else w,
-        gk_cum if has_gk else w, w, u, ai if store_ai else w, aqk if has_gk else w, chunk_map, cu,
+        gk_cum if has_gk else w, w, u, ai, aqk if has_gk else w, chunk_map, cu,
         T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
-        IS_VARLEN=layout.is_varlen, STORE_AI=store_ai, STORE_AQK=has_gk,
+        IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
+
+
+def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout):
+    """w and u from the forward's T and gate cumsums (scalar gate only)."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    cfg = launch.select("recompute_wu", K, V, dev)
+    chunk_map, cu = _chunk_args(layout, dev)
+    gdn_recompute_wu_kernel[(layout.num_slots, B * HV)](
+        k, v, beta, g_cum if g_cum is not None else w, ai, w, u, chunk_map, cu, T,
+        H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+        IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return w, u
 
 
 def _states(k, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
@@ -234,12 +257,18 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(B, T, heads, HV // heads, K).sum(3)
 
 
-def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
+def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum, ai):
+    """g_cum and ai: the forward's gate cumsums and T (None with gk: prepare runs again, since
+    the per-key cumsums and query-key products would cost more to keep than to recompute)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     has_g, has_gk = g is not None, gk is not None
-    g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_ai=True)
+    if ai is None:
+        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
+    else:
+        gk_cum = aqk = None
+        w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
     h, v_new, _ = _states(k, w, u, g_cum, gk_cum, initial_state, layout, store_final=False)
     dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
     dh, dh0, dv2 = _bwd_dhu(q, k, w, do, dv_local, g_cum, gk_cum, dht, initial_state is not None,
@@ -247,8 +276,12 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
     del dv_local
     cfg = launch.select("bwd_dqkw", K, V, dev)
     num_k_tiles = triton.cdiv(K, cfg.block_k)
-    dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    # Without gk and GVA, dq and the WY kernel's dk are final where they are written: straight
+    # into the input dtype (saves an fp32 round trip and a cast of each).
+    direct = HV == H and not has_gk
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype if direct else torch.float32)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    dk_out = torch.empty_like(k) if direct else dk
     dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     if has_gk:
         db = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
@@ -280,7 +313,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
         pair_grad(q, scratch, dq, scale, False)
     wy_cfg = launch.select("bwd_wy", K, V, dev)
     gdn_bwd_wy_kernel[(layout.num_slots, B * HV)](
-        k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dv, dbeta,
+        k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dk_out, dv, dbeta,
         db, dg if has_g else q, scratch, chunk_map, cu, T, db_tile_stride, H=H, HV=HV, K=K, V=V,
         BK=wy_cfg.block_k, BV=wy_cfg.block_v, NK=num_k_tiles, HAS_G=has_g, HAS_GK=has_gk,
         IS_VARLEN=layout.is_varlen, num_warps=wy_cfg.num_warps, num_stages=wy_cfg.num_stages)
@@ -291,8 +324,10 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht):
         gdn_gate_grad_kernel[(layout.num_slots, B * HV)](
             db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=max(64, launch.head_dim_block(K)),
             HAS_G=has_g, IS_VARLEN=layout.is_varlen)
-    dq = _group_sum(dq, H).to(q.dtype)
-    dk = _group_sum(dk, H).to(k.dtype)
+    if not direct:
+        dq = _group_sum(dq, H).to(q.dtype)
+        dk_out = _group_sum(dk, H).to(k.dtype)
+    dk = dk_out
     return dq, dk, dv, dg, dgk, dbeta, dh0
 
 
@@ -301,21 +336,25 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, cu_seqlens)
-        g_cum, gk_cum, w, u, _ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_ai=False)
+        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
         h, v_new, final = _states(k, w, u, g_cum, gk_cum, initial_state, layout, output_final_state)
         del w, u
         o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
-        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state)
+        # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
+        # states). With gk the backward runs prepare again.
+        if gk is not None:
+            g_cum = ai = None
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
         ctx.layout, ctx.scale = layout, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, gk, beta, initial_state = ctx.saved_tensors
+        q, k, v, g, gk, beta, initial_state, g_cum, ai = ctx.saved_tensors
         do = _rows(do)
         dht = None if dht is None else dht.float().contiguous()
         dq, dk, dv, dg, dgk, dbeta, dh0 = _backward(q, k, v, g, gk, beta, ctx.scale, initial_state,
-                                                    ctx.layout, do, dht)
+                                                    ctx.layout, do, dht, g_cum, ai)
         return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
 
 

@@ -5,12 +5,13 @@ per-key gate `gk` the total log decay of key channel k at row i is B_i[k] = g_cu
 
 Forward (interface.py chains them):
   gdn_prepare_kernel   chunk-parallel: gate cumsums, A = StrictTril(diag(beta) (K K^T . Gamma)),
-                       T = (I + A)^-1 in 16-row blocks, w = T diag(beta e^B) K, u = T diag(beta) V
-                       (and, with gk, the gated query-key matrix of the chunk).
+                       T = (I + A)^-1 in 16-row blocks (stored), w = T diag(beta e^B) K,
+                       u = T diag(beta) V (and, with gk, the gated query-key matrix of the chunk).
   gdn_fwd_h_kernel     sequential over chunks: states h[c] and v_new = u - w h[c].
   gdn_intra_kernel     chunk-parallel: o = scale (q e^B) h[c] + P v_new with P = scale Tril(q k^T . Gamma);
                        the same kernel computes P^T do for the backward.
-Backward: the forward's first two kernels again (nothing per chunk is saved), then
+Backward: w and u again from the forward's T (gdn_recompute_wu_kernel; with gk the whole
+prepare), the states again (no per-chunk state is kept), then
   gdn_bwd_dhu_kernel   sequential, reverse: the state gradients (the public bwd_dhu pass).
   gdn_bwd_dqkw_kernel  chunk-parallel: dq, the state/intra parts of dk, dw, gate terms.
   gdn_bwd_wy_kernel    chunk-parallel: back through T, w and u: dk, dv, dbeta, gate terms, dg.
@@ -269,7 +270,7 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       STORE_AI: tl.constexpr, STORE_AQK: tl.constexpr):
+                       STORE_AQK: tl.constexpr):
     slot = tl.program_id(0)
     bhv = tl.program_id(1)
     hv = bhv % HV
@@ -383,8 +384,7 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     t20 = -_dot32(t22, _dot32(a20, t00) + _dot32(a21, t10))
     t31 = -_dot32(t33, _dot32(a31, t11) + _dot32(a32, t21))
     t30 = -_dot32(t33, _dot32(a30, t00) + _dot32(a31, t10) + _dot32(a32, t20))
-    if STORE_AI:
-        _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
+    _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
 
     # Phase 3: w = T diag(beta e^B) K and u = T diag(beta) V.
     kdt = w.dtype.element_ty
@@ -421,6 +421,41 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         _store_tile(u, tl.dot(s20, vb0) + tl.dot(s21, vb1) + tl.dot(s22, vb2), tok0, r2, HV, hv, V, cols, n_valid)
         _store_tile(u, tl.dot(s30, vb0) + tl.dot(s31, vb1) + tl.dot(s32, vb2) + tl.dot(s33, vb3),
                     tok0, r3, HV, hv, V, cols, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The backward's w = T diag(beta e^g) K and u = T diag(beta) V, from the T and gate cumsums
+    that the forward kept (scalar gate only): one 64-row product per tile instead of a second
+    prepare."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    head = hv // (HV // H)
+    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
+    tmat = tl.load(t_ptrs, mask=t_mask, other=0.0)
+    beta_t = _load_vec(beta, tok0, rows, HV, hv, n_valid)
+    if HAS_G:
+        row_gate = tl.exp(_load_vec(g_cum, tok0, rows, HV, hv, n_valid)) * beta_t
+    else:
+        row_gate = beta_t
+    kdt = w.dtype.element_ty
+    t_k = tmat.to(kdt)
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        kb = _load_tile(k, tok0, rows, H, head, K, cols, n_valid) * row_gate[:, None]
+        _store_tile(w, tl.dot(t_k, kb.to(kdt)), tok0, rows, HV, hv, K, cols, n_valid)
+    vdt = u.dtype.element_ty
+    t_v = tmat.to(vdt)
+    for v_start in range(0, V, BV):
+        cols = v_start + tl.arange(0, BV)
+        vb = _load_tile(v, tok0, rows, HV, hv, V, cols, n_valid) * beta_t[:, None]
+        _store_tile(u, tl.dot(t_v, vb.to(vdt)), tok0, rows, HV, hv, V, cols, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -563,19 +598,35 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     rows = tl.arange(0, 64)
     state = _initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
     dt = q.dtype.element_ty
-    for c_rev in range(0, tl.cdiv(seq_len, 64)):
-        c = tl.cdiv(seq_len, 64) - 1 - c_rev
+    num_chunks = tl.cdiv(seq_len, 64)
+    # dv is read one chunk ahead: without a gate the compiler folds the dv add into the MMA's
+    # accumulator, and a load feeding an accumulator is not pipelined (its latency then sat in
+    # the chain of dependent MMAs every chunk).
+    # The per-key decay row at a chunk's end is read one chunk ahead too (a plain load there
+    # stalled the first MMA of the chunk).
+    last = tl.maximum(num_chunks - 1, 0)  # a length-0 sequence loads nothing
+    n_last = tl.minimum(seq_len - last * 64, 64).to(tl.int32)
+    dv_next = _load_tile(dv, bos + last * 64, rows, HV, hv, V, vcols, n_last)
+    if HAS_GK:
+        c_last_next = _load_last_row(gk_cum, tl.maximum(bos + last * 64 + n_last - 1, 0), HV, hv, K, krows)
+    for c_rev in range(0, num_chunks):
+        c = num_chunks - 1 - c_rev
         tok0 = bos + c * 64
         n_valid = tl.minimum(seq_len - c * 64, 64).to(tl.int32)
+        c_ahead = tl.maximum(c - 1, 0)
+        n_ahead = tl.minimum(seq_len - c_ahead * 64, 64).to(tl.int32)
+        dvt = dv_next
+        dv_next = _load_tile(dv, bos + c_ahead * 64, rows, HV, hv, V, vcols, n_ahead)
+        if HAS_GK:
+            c_last = c_last_next
+            c_last_next = _load_last_row(gk_cum, bos + c_ahead * 64 + n_ahead - 1, HV, hv, K, krows)
         ptrs, mask = _state_ptrs(dh, chunk0 + c, hv, HV, K, V, krows, vcols)
         tl.store(ptrs, state.to(dh.dtype.element_ty), mask=mask)
         qt = _load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
         kt = _load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
         wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
         dot_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
-        dvt = _load_tile(dv, tok0, rows, HV, hv, V, vcols, n_valid)
         if HAS_GK:
-            c_last = _load_last_row(gk_cum, tok0 + n_valid - 1, HV, hv, K, krows)
             if GATE_QK:
                 ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
                 kt = (kt * tl.exp(c_last[None, :] - ct)).to(dt)
@@ -697,14 +748,15 @@ def _reverse_cumsum(x):
 
 
 @triton.jit(do_not_specialize=["T", "db_tile_stride"])
-def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, dg, da,
+def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbeta, db, dg, da,
                       chunk_map, cu_seqlens, T, db_tile_stride,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                       HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Back through u = T diag(beta) V, w = T diag(beta e^B) K and T = (I + A)^-1, with
     A = StrictTril(diag(beta) (K K^T . Gamma)), given du (= dv2) and dw. One program per
-    (chunk, head): dv, dbeta, dk (added to the partial from gdn_bwd_dqkw_kernel) and, without gk,
+    (chunk, head): dv, dbeta, dk (the partial dk from gdn_bwd_dqkw_kernel plus these terms, into
+    dk_out: the final dtype when nothing is added later, else dk itself) and, without gk,
     dg (the gate terms summed and reverse-cumsummed). With gk, dA is stored for the pair kernel."""
     slot = tl.program_id(0)
     bhv = tl.program_id(1)
@@ -771,7 +823,7 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dv, dbeta, db, 
             dk_t += (beta_t[:, None] * tl.dot(d_ag.to(kdt), k_t)
                      + tl.dot(tl.trans(d_ag * beta_t[:, None]).to(kdt), k_t))
             gate_t += tl.sum(gate_w, axis=1)
-        _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
+        _store_tile(dk_out, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
     _store_vec(dbeta, dbeta_t, tok0, rows, HV, hv, n_valid)
     if HAS_G and not HAS_GK:
         m = d_ag * kkt * beta_t[:, None]  # dA . A
