@@ -36,10 +36,18 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
     if kernel == "pair_grad":
         return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
-    # prepare, bwd_dqkw, bwd_wy. K tiles narrower than 64 miscompile on Triton 3.6 / Hopper
-    # (a shared-memory overrun in the dqkw row sum, and NaN gradients with gk at K = 32): the
-    # tile stays 64 wide, masked beyond K.
-    return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
+    # prepare, recompute_wu, bwd_dqkw, bwd_wy: measured at B4 T4096 H16 K = V = 128 on an H200
+    # (bench/NOTES.md). K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory
+    # overrun in the dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide,
+    # masked beyond K.
+    if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
+        return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
+    if kernel == "recompute_wu":  # no software pipeline: fastest, and the masked 64-wide tiles of
+        # small head dims gave wrong u with a 2-stage pipeline (Triton 3.6, H200)
+        return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
+    if kernel == "bwd_dqkw":  # all of K (up to 128) in one tile: do, v_new, dv2 read once
+        return GdnConfig(max(64, min(kp, 128)), min(vp, 64), num_warps=8, num_stages=3)
+    return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
 
 
 def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> GdnConfig:
