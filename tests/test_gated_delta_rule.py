@@ -135,6 +135,8 @@ SHAPES = {  # (B, T, H, HV, K, V, gate, states)
     "gva-K!=V": (1, 130, 1, 2, 32, 16, "g", True),
     "gk-only": (2, 70, 2, 2, 16, 16, "gk", True),
     "g+gk-gva": (1, 100, 1, 2, 32, 32, "g+gk", True),
+    # head dims of whole 64-wide tiles: the backward recomputes w, u from the forward's T
+    "K64-kept-T": (1, 70, 1, 1, 64, 64, "g", False),
 }
 
 

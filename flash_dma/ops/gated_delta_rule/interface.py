@@ -259,12 +259,15 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum, ai):
     """g_cum and ai: the forward's gate cumsums and T (None with gk: prepare runs again, since
-    the per-key cumsums and query-key products would cost more to keep than to recompute)."""
+    the per-key cumsums and query-key products would cost more to keep than to recompute).
+    They are still passed as kept, and replaced, when prepare has to run again."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     has_g, has_gk = g is not None, gk is not None
-    if ai is None:
+    if ai is None or K % CHUNK or V % CHUNK:
+        # Head dims that leave the recompute kernel's 64-wide tiles partly masked made Triton 3.6
+        # read shared memory out of bounds on Hopper (compute-sanitizer): prepare runs again.
         g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
     else:
         gk_cum = aqk = None
