@@ -86,6 +86,10 @@ def select(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
     if hit:
         return GdnConfig(**hit)
     cfg = _default(kernel, kp, vp)
+    if kernel not in _FULL_K and (K % 64 or V % 64):
+        # Partly masked 64-wide tiles: the tuned configurations above crashed on Triton 3.6 /
+        # Hopper (an illegal address at K = 48, V = 32); these passed every GPU test.
+        cfg = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
     if kernel in ("fwd_h", "bwd_dhu") and sequences_x_heads:
         cfg = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count)
     if kernel == "intra":  # V tiles of 16 gave wrong outputs on the H200 (Triton 3.6)
