@@ -92,6 +92,7 @@ def select(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
         cfg = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
     if kernel in ("fwd_h", "bwd_dhu") and sequences_x_heads:
         cfg = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count)
-    if kernel == "intra":  # V tiles of 16 gave wrong outputs on the H200 (Triton 3.6)
-        cfg = GdnConfig(cfg.block_k, max(cfg.block_v, 32), cfg.num_warps, cfg.num_stages)
+    if kernel == "intra":  # V tiles of 16 gave wrong outputs, and of 32 an out-of-bounds shared
+        # memory read (K = 48, V = 32), on the H200 with Triton 3.6: 64 wide, masked beyond V
+        cfg = GdnConfig(cfg.block_k, 64, cfg.num_warps, cfg.num_stages)
     return cfg
