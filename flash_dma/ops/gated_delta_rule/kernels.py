@@ -58,6 +58,17 @@ def _chunk_of_slot(slot, batch, chunk_map, cu_seqlens, T, IS_VARLEN: tl.constexp
 
 
 @triton.jit
+def _chunk_program(chunk_map, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A chunk-parallel program's (value head, q/k head, first token, valid rows, global chunk)
+    from its grid position (chunk slot, batch x value head)."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    return hv, hv // (HV // H), tok0, n_valid, chunk
+
+
+@triton.jit
 def _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN: tl.constexpr):
     """-> (first token, length, first global chunk) of sequence `seq` (int64)."""
     if IS_VARLEN:
@@ -271,11 +282,7 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
                        STORE_AQK: tl.constexpr):
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
     beta0 = _load_vec(beta, tok0, r0, HV, hv, n_valid)
@@ -423,6 +430,13 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
                     tok0, r3, HV, hv, V, cols, n_valid)
 
 
+@triton.jit
+def _chunk_inverse(ai, beta, tok0, rows, hv, HV: tl.constexpr, n_valid):
+    """The chunk's stored T = (I + A)^-1 ([64, 64], zero above the diagonal) and its beta."""
+    t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
+    return tl.load(t_ptrs, mask=t_mask, other=0.0), _load_vec(beta, tok0, rows, HV, hv, n_valid)
+
+
 @triton.jit(do_not_specialize=["T"])
 def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -431,15 +445,9 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, 
     """The backward's w = T diag(beta e^g) K and u = T diag(beta) V, from the T and gate cumsums
     that the forward kept (scalar gate only): one 64-row product per tile instead of a second
     prepare."""
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
-    t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
-    tmat = tl.load(t_ptrs, mask=t_mask, other=0.0)
-    beta_t = _load_vec(beta, tok0, rows, HV, hv, n_valid)
+    tmat, beta_t = _chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
     if HAS_G:
         row_gate = tl.exp(_load_vec(g_cum, tok0, rows, HV, hv, n_valid)) * beta_t
     else:
@@ -544,11 +552,7 @@ def gdn_intra_kernel(q, k, g_cum, gk_cum, aqk, h, v_new, do, out, chunk_map, cu_
                      IS_DV: tl.constexpr):
     """IS_DV=False: o = scale (q e^B) h[c] + P v_new.  IS_DV=True: dv_local = P^T do.
     One program per (chunk, head); BK covers all of K, V in tiles of BV."""
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, chunk = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
     krows = tl.arange(0, BK)
     p = _intra_matrix(q, k, g_cum, aqk, tok0, hv, head, n_valid, scale, H, HV, K, BK, HAS_G, HAS_GK)
@@ -680,12 +684,8 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         dw = -dv2 h^T
     and the gate terms dB (before the reverse cumsum). With gk the dP products are left to
     gdn_gated_pair_grad_kernel: dP is stored instead."""
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
     k_tile = tl.program_id(2)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, chunk = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
     kcols = k_tile * BK + tl.arange(0, BK)
     dqg = tl.zeros([64, BK], dtype=tl.float32)
@@ -758,15 +758,9 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
     (chunk, head): dv, dbeta, dk (the partial dk from gdn_bwd_dqkw_kernel plus these terms, into
     dk_out: the final dtype when nothing is added later, else dk itself) and, without gk,
     dg (the gate terms summed and reverse-cumsummed). With gk, dA is stored for the pair kernel."""
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
-    t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
-    tmat = tl.load(t_ptrs, mask=t_mask, other=0.0)
-    beta_t = _load_vec(beta, tok0, rows, HV, hv, n_valid)
+    tmat, beta_t = _chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
     kdt = k.dtype.element_ty
     vdt = v.dtype.element_ty
     d_t = tl.zeros([64, 64], dtype=tl.float32)
@@ -859,12 +853,8 @@ def gdn_gated_pair_grad_kernel(x, c, beta, g_cum, gk_cum, dm, dx, dc, dbeta, db,
     chunk), per key gate, given dM (stored by the dqkw or wy kernel). a = x (P: x = q, c = k) or
     a = beta x (A: x = c = k). Adds to dx, dc, dbeta (A) and the per-key gate terms db, using the
     same factorisation around reference rows as the forward."""
-    slot = tl.program_id(0)
-    bhv = tl.program_id(1)
     k_tile = tl.program_id(2)
-    hv = bhv % HV
-    head = hv // (HV // H)
-    tok0, n_valid, _ = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
     cols = k_tile * BK + tl.arange(0, BK)
