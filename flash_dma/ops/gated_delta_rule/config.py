@@ -42,8 +42,7 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     # masked beyond K.
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
-    if kernel == "recompute_wu":  # no software pipeline: fastest, and the masked 64-wide tiles of
-        # small head dims gave wrong u with a 2-stage pipeline (Triton 3.6, H200)
+    if kernel == "recompute_wu":  # no software pipeline: the fastest in the sweep
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
     if kernel == "bwd_dqkw":  # all of K (up to 128) in one tile: do, v_new, dv2 read once
         return GdnConfig(max(64, min(kp, 128)), min(vp, 64), num_warps=8, num_stages=3)

@@ -30,9 +30,6 @@ CHUNK = 64
 MAX_HEAD_DIM = 256
 _MIN_GPU_V = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-# T = (I + A)^-1 per chunk, kept from the forward for the backward's WY gradient (dA = -T^T dT T^T
-# is sensitive to its rounding, hence fp32).
-WY_INVERSE_DTYPE = torch.float32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +159,7 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout):
     gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) if has_gk else None
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-    ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=WY_INVERSE_DTYPE)
+    ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # the WY backward reads fp32
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
     cfg = launch.select("prepare", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
@@ -173,6 +170,15 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout):
         IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
+
+
+def _backward_reuses_inverse(K: int, V: int, has_gk: bool) -> bool:
+    """Whether the backward recomputes w, u from the forward's T (else prepare runs again, and
+    the forward keeps nothing extra). Not with gk: its per-key cumsums and query-key products
+    would cost more to keep than to recompute. Not with head dims that leave 64-wide tiles partly
+    masked: the recompute kernel then read shared memory out of bounds on Triton 3.6 / Hopper
+    (compute-sanitizer)."""
+    return not has_gk and K % CHUNK == 0 and V % CHUNK == 0
 
 
 def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout):
@@ -258,16 +264,13 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum, ai):
-    """g_cum and ai: the forward's gate cumsums and T (None with gk: prepare runs again, since
-    the per-key cumsums and query-key products would cost more to keep than to recompute).
-    They are still passed as kept, and replaced, when prepare has to run again."""
+    """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither
+    (_backward_reuses_inverse)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     has_g, has_gk = g is not None, gk is not None
-    if ai is None or K % CHUNK or V % CHUNK:
-        # Head dims that leave the recompute kernel's 64-wide tiles partly masked made Triton 3.6
-        # read shared memory out of bounds on Hopper (compute-sanitizer): prepare runs again.
+    if ai is None:
         g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
     else:
         gk_cum = aqk = None
@@ -344,8 +347,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         del w, u
         o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
         # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
-        # states). With gk the backward runs prepare again.
-        if gk is not None:
+        # states), where the backward can reuse them.
+        if not _backward_reuses_inverse(k.shape[3], v.shape[3], gk is not None):
             g_cum = ai = None
         ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
         ctx.layout, ctx.scale = layout, scale

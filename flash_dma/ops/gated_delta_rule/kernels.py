@@ -81,6 +81,20 @@ def _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _sequence_program(cu_seqlens, chunk_offsets, T, H: tl.constexpr, HV: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A sequential pass's (sequence, value head, q/k head, first token, length, first global
+    chunk, K rows, V columns) from its grid position (V tile, sequence x value head)."""
+    v_tile = tl.program_id(0)
+    seq_hv = tl.program_id(1)
+    seq = seq_hv // HV
+    hv = seq_hv % HV
+    bos, seq_len, chunk0 = _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN)
+    return (seq, hv, hv // (HV // H), bos, seq_len, chunk0, tl.arange(0, BK),
+            v_tile * BV + tl.arange(0, BV))
+
+
+@triton.jit
 def _tile_ptrs(base, tok0, rows, n_heads, head, D: tl.constexpr, cols, n_valid):
     """Pointers and mask of a [rows, cols] tile of a [tokens, n_heads, D] tensor."""
     offs = ((tok0 + rows)[:, None] * n_heads + head) * D + cols[None, :]
@@ -437,6 +451,18 @@ def _chunk_inverse(ai, beta, tok0, rows, hv, HV: tl.constexpr, n_valid):
     return tl.load(t_ptrs, mask=t_mask, other=0.0), _load_vec(beta, tok0, rows, HV, hv, n_valid)
 
 
+@triton.jit
+def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_heads, dst_head,
+                         D: tl.constexpr, BD: tl.constexpr, tok0, rows, n_valid):
+    """dst = T diag(row_scale) src for one chunk, in [64, BD] tiles over the head dim D."""
+    dt = dst.dtype.element_ty
+    t_dt = tmat.to(dt)
+    for start in range(0, D, BD):
+        cols = start + tl.arange(0, BD)
+        x = _load_tile(src, tok0, rows, src_heads, src_head, D, cols, n_valid) * row_scale[:, None]
+        _store_tile(dst, tl.dot(t_dt, x.to(dt)), tok0, rows, dst_heads, dst_head, D, cols, n_valid)
+
+
 @triton.jit(do_not_specialize=["T"])
 def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -452,18 +478,8 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, 
         row_gate = tl.exp(_load_vec(g_cum, tok0, rows, HV, hv, n_valid)) * beta_t
     else:
         row_gate = beta_t
-    kdt = w.dtype.element_ty
-    t_k = tmat.to(kdt)
-    for k_start in range(0, K, BK):
-        cols = k_start + tl.arange(0, BK)
-        kb = _load_tile(k, tok0, rows, H, head, K, cols, n_valid) * row_gate[:, None]
-        _store_tile(w, tl.dot(t_k, kb.to(kdt)), tok0, rows, HV, hv, K, cols, n_valid)
-    vdt = u.dtype.element_ty
-    t_v = tmat.to(vdt)
-    for v_start in range(0, V, BV):
-        cols = v_start + tl.arange(0, BV)
-        vb = _load_tile(v, tok0, rows, HV, hv, V, cols, n_valid) * beta_t[:, None]
-        _store_tile(u, tl.dot(t_v, vb.to(vdt)), tok0, rows, HV, hv, V, cols, n_valid)
+    _t_times_scaled_rows(tmat, row_gate, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid)
+    _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -474,14 +490,8 @@ def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk
                      STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """One program per (V tile, sequence, head): the states h[c] at each chunk start and
     v_new = u - w h[c], chunk after chunk. BK covers all of K."""
-    v_tile = tl.program_id(0)
-    seq_hv = tl.program_id(1)
-    seq = seq_hv // HV
-    hv = seq_hv % HV
-    head = hv // (HV // H)
-    bos, seq_len, chunk0 = _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN)
-    krows = tl.arange(0, BK)
-    vcols = v_tile * BV + tl.arange(0, BV)
+    seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
+        cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
     state = _initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
     for c in range(0, tl.cdiv(seq_len, 64)):
@@ -591,14 +601,8 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
     q and k come already gated by gk (the public convention), or, with GATE_QK, are gated here
     (q e^gk, k e^(gk_last - gk)). BK covers all of K."""
-    v_tile = tl.program_id(0)
-    seq_hv = tl.program_id(1)
-    seq = seq_hv // HV
-    hv = seq_hv % HV
-    head = hv // (HV // HQ)
-    bos, seq_len, chunk0 = _seq_bounds(seq, cu_seqlens, chunk_offsets, T, IS_VARLEN)
-    krows = tl.arange(0, BK)
-    vcols = v_tile * BV + tl.arange(0, BV)
+    seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
+        cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
     state = _initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
     dt = q.dtype.element_ty
