@@ -285,6 +285,27 @@ def test_both_key_major_tile_orientations(key_rows, monkeypatch):
     check_against_reference(q, k, v, mask, bias, False, dtype)
 
 
+@pytest.mark.parametrize("strategy", ["fused", "atomic", "kernel"])
+def test_every_dq_path(strategy, monkeypatch):
+    """dq added by the key-major kernel (TMA bulk reductions, or element atomics: the interpreter
+    has only the latter) or computed by the separate query-major kernel; both tile orientations,
+    GQA, causal with Sq > Sk (rows that see no key), a mask with empty tiles, varlen."""
+    from flash_dma.ops.dynamic_mask_attention import interface, kernels
+    if strategy == "fused" and DEVICE == "cpu":
+        pytest.skip("in the interpreter 'fused' is 'atomic'")
+    monkeypatch.setattr(interface, "DQ_STRATEGY", strategy)
+    dtype = DTYPES[-1]
+    B, Sq, Sk, H, Hk = 2, 45, 37, 4, 2
+    for key_rows in (False, True):
+        monkeypatch.setattr(kernels, "DKDV_KEY_ROWS", {False: key_rows, True: key_rows})
+        q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, Sq, Sk), (1, H, 1, Sk))
+        check_against_reference(q, k, v, mask, bias, True, dtype)
+    q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 24, dtype)
+    check_against_reference(q, k, v, None, None, False, dtype)
+    q, k, v, mask, bias, meta = varlen_case([5, 0, 1, 37], [7, 3, 1, 29], 4, 2, 32, dtype, "full", None)
+    check_against_reference(q, k, v, mask, bias, True, dtype, varlen=meta)
+
+
 @pytest.mark.parametrize("layout", ["fused-qkv", "token-sliced"])
 def test_strided_kv_layouts(layout):
     """k/v as views: a fused qkv projection (described for the tensor-memory accelerator as is)

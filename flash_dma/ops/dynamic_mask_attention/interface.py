@@ -16,7 +16,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...config import LaunchConfig, head_dim_block, select_config
-from ...hardware import device_info
+from ...hardware import device_info, interpreter_active
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
@@ -286,13 +286,20 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # no bias descriptor here: the key-major tile wants the bias transposed, and measured on an
     # H200 the transposed TMA tile lost to pointer loads (3.20 vs 3.07 ms, B2 H16 S4096 D128)
     b_desc = None
+    dq_path = _dq_path(pb, q, bias, db_plan, mode, deterministic)
+    dq_acc, dq_desc, dq_mode = dummy, None, kernels.DQ_NONE
+    if dq_path == "fused":
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        dq_desc = _dq_reduce_descriptor(pb, dq_acc, cfg)
+        dq_mode = kernels.DQ_TMA_REDUCE if dq_desc is not None else kernels.DQ_ATOMIC
     kernels.attn_bwd_dkdv_kernel[(n_key_programs, pb.batch * pb.num_kv_heads)](
         q, k, v, dout, dk, dv, db_buf, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
         b_desc,
-        cu_q, cu_k, walk.count, walk.index,
+        cu_q, cu_k, walk.count, walk.index, dq_acc, dq_desc,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
-        *pb.row_strides(dk), *pb.row_strides(dv), *pb.stat_strides(lse),
+        *pb.row_strides(dk), *pb.row_strides(dv),
+        *(pb.row_strides(dq_acc) if dq_path == "fused" else (0, 0, 0)), *pb.stat_strides(lse),
         *_pair_strides(mask), *_pair_strides(bias), *db_strides,
         *(db_plan.slot_strides if db_plan is not None else (0, 0, 0)),
         *_list_args(walk),
@@ -300,10 +307,13 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         **_constexprs(pb, cfg, mask, bias, mode),
         HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
         KEY_ROWS=kernels.dkdv_key_rows(bias is not None or mask is not None),
-        BIAS_DESC=b_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BIAS_DESC=b_desc is not None, DQ_MODE=dq_mode,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    if _dq_from_stored_ds(pb, q, bias, db_plan, mode):
+    if dq_path == "fused":
+        dq = dq_acc.mul_(pb.softmax_scale).to(q.dtype)
+    elif dq_path == "matmul":
         dq = _dq_by_matmul(pb, k, db_plan.buffer)
     else:
         dq = _dq_kernel(pb, q, k, v, dout, lse, delta, mask, mask_u8, bias, mode, dummy, cu_q, cu_k,
@@ -336,6 +346,40 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
         BIAS_DESC=b_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq
+
+
+# How dq is computed where dS is not stored (see _dq_path): "fused" (the key-major kernel adds
+# dS k into an fp32 accumulator, by TMA bulk reductions where the GPU has them, else by element
+# atomics), "atomic" (fused, element atomics always) or "kernel" (a separate query-major kernel).
+# Module-level so that tests and bench/ A/B scripts can choose.
+DQ_STRATEGY = "fused"
+
+
+def _dq_path(pb: _Problem, q, bias, db_plan, mode, deterministic: bool) -> str:
+    """Where dq comes from: "matmul" (dS is already stored as dbias), "fused" (the key-major kernel
+    adds dS k into an fp32 accumulator: five matrix products in the backward instead of the seven
+    that a separate query-major dq kernel needs, which recomputes q k^T and dO v^T), or "kernel"
+    (that separate kernel: deterministic mode, since the accumulation order of atomics is not)."""
+    if _dq_from_stored_ds(pb, q, bias, db_plan, mode):
+        return "matmul"
+    if deterministic or DQ_STRATEGY == "kernel":
+        return "kernel"
+    return "fused"
+
+
+def _dq_reduce_descriptor(pb: _Problem, dq_acc: torch.Tensor, cfg: LaunchConfig):
+    """A descriptor over the fp32 dq accumulator viewed as [tokens, H, D], for TMA bulk reductions
+    of whole [block_m, 1, D] tiles; None before Hopper, in the interpreter (it has no bulk
+    reduction), or where the rows are not 16-byte aligned."""
+    if DQ_STRATEGY == "atomic" or interpreter_active() or dq_acc.device.type != "cuda" \
+            or device_info(dq_acc.device).arch < 90:
+        return None
+    tokens = dq_acc.shape[0] if pb.is_varlen else pb.batch * pb.seqlen_q
+    if tokens == 0 or (pb.head_dim * dq_acc.element_size()) % 16:
+        return None
+    view = dq_acc.view(tokens, pb.num_heads, pb.head_dim)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()),
+                            [cfg.block_m, 1, head_dim_block(pb.head_dim)])
 
 
 def _dq_from_stored_ds(pb: _Problem, q, bias, db_plan, mode) -> bool:

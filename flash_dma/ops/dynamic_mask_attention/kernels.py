@@ -37,6 +37,13 @@ KV_DENSE = 0
 KV_BLOCK_LIST = 1
 KV_GATHER = 2
 
+# Where dq comes from (DQ_MODE of the key-major kernel): a separate query-major kernel (DQ_NONE
+# here), or this kernel adds dS k into an fp32 accumulator, by element atomics or by TMA bulk
+# reductions (Hopper and later).
+DQ_NONE = tl.constexpr(0)
+DQ_ATOMIC = tl.constexpr(1)
+DQ_TMA_REDUCE = tl.constexpr(2)
+
 # Orientation of the key-major backward tile, (without, with) a bias or mask to read: keys on
 # rows (True) or queries on rows (False). Measured on an H200: see bench/results/.
 DKDV_KEY_ROWS = {False: True, True: True}
@@ -579,21 +586,40 @@ def _write_dbias(ptr, value, ok, DBIAS_ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d, stride_dqs, part,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DQ_MODE: tl.constexpr):
+    """Add one key tile's share of dq (dS k, unscaled, fp32) into the fp32 dq accumulator that all
+    key tiles of the sequence add into: element atomics, or one bulk reduction by the tensor-memory
+    accelerator (DQ_TMA_REDUCE: the add happens in L2, the SM only issues it)."""
+    if DQ_MODE == DQ_TMA_REDUCE:
+        # rows past the sequence carry exact zeros (their probabilities are 0), but they land in
+        # the next sequence's rows: clear them anyway, so that nothing but 0 can ever leak there
+        part = tl.where(q_ok[:, None], part, 0.0)
+        dq_desc.atomic_add([dq_row0 + m_block * BLOCK_M, dq_h, 0],
+                           part.reshape(BLOCK_M, 1, part.shape[1]))
+    else:
+        ptrs = dq_base + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
+        tl.atomic_add(ptrs, part, mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+
+
+@triton.jit
 def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat_base,
                mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
                stride_bq, stride_bk, stride_dbq, stride_dbk, bias_desc, bias_b, bias_h, k0,
+               dq_base, dq_desc, dq_row0, dq_h, stride_dqs,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
                MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
                BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
                HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
                CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr,
-               BIAS_BY_DESC: tl.constexpr):
+               BIAS_BY_DESC: tl.constexpr, DQ_MODE: tl.constexpr):
     """One query tile against this program's key tile: accumulates dk, dv, and writes or
-    accumulates dbias. KEY_ROWS computes the transposed tile (keys on rows: P^T and dS^T feed
-    the dk/dv products directly); otherwise queries are on rows, as bias and dbias lie in
-    memory, and P and dS are transposed into the products."""
+    accumulates dbias (and, with DQ_MODE, adds this key tile's share of dq). KEY_ROWS computes
+    the transposed tile (keys on rows: P^T and dS^T feed the dk/dv products directly); otherwise
+    queries are on rows, as bias and dbias lie in memory, and P and dS are transposed into the
+    products."""
     offs_m = m_block * BLOCK_M + local_m
     q_ok = offs_m < seqlen_q
     block_q0 = tl.full([], 0, tl.int64) + m_block * BLOCK_M  # int64 before it meets the strides
@@ -614,7 +640,11 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         p = tl.math.exp2(s - lse2[None, :])
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(ds.to(q.dtype), q)
+        ds_in = ds.to(q.dtype)
+        dk += tl.dot(ds_in, q)
+        if DQ_MODE != DQ_NONE:  # (dS^T)^T k, as k^T dS^T: k is the operand already in shared memory
+            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d, stride_dqs,
+                          tl.trans(tl.dot(tl.trans(k), ds_in)), HEAD_DIM, BLOCK_M, DQ_MODE)
         qi = local_m[None, :]
         kj = k_pos[:, None]
         tile_ok = q_ok[None, :]
@@ -623,7 +653,11 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         p = tl.math.exp2(s - lse2[:, None])
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        ds_in = ds.to(q.dtype)
+        dk += tl.dot(tl.trans(ds_in), q)
+        if DQ_MODE != DQ_NONE:
+            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d, stride_dqs,
+                          tl.dot(ds_in, k), HEAD_DIM, BLOCK_M, DQ_MODE)
         qi = local_m[:, None]
         kj = k_pos[None, :]
         tile_ok = q_ok[:, None]
@@ -646,6 +680,7 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                                "stride_cn", "stride_ib", "stride_ih", "stride_in", "stride_ik"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, B_DESC, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
+    DQ_ACC, DQ_DESC,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -653,6 +688,7 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
@@ -666,7 +702,7 @@ def attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, KEY_ROWS: tl.constexpr,
-    BIAS_DESC: tl.constexpr,
+    BIAS_DESC: tl.constexpr, DQ_MODE: tl.constexpr,
 ):
     """dk, dv (and dbias) for one key tile of one kv head, summed over the heads of its group.
 
@@ -683,6 +719,11 @@ def attn_bwd_dkdv_kernel(
     hk = bhk % num_kv_heads
     q_row0, seqlen_q = _sequence_span(CU_Q, b, seqlen_q, IS_VARLEN)
     k_row0, seqlen_k = _sequence_span(CU_K, b, seqlen_k, IS_VARLEN)
+    # first row of this sequence in the dq accumulator's [tokens, H, D] view (descriptor coordinate)
+    if IS_VARLEN:
+        dq_row0 = q_row0.to(tl.int32)
+    else:
+        dq_row0 = b * seqlen_q
     b64 = b.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -735,6 +776,7 @@ def attn_bwd_dkdv_kernel(
     for g in range(0, kv_group):
         h = hk * kv_group + g
         q_base = Q + b64 * stride_qb + h * stride_qh + q_row0 * stride_qs
+        dq_base = DQ_ACC + b64 * stride_dqb + h * stride_dqh + q_row0 * stride_dqs
         do_base = DO + b64 * stride_dob + h * stride_doh + q_row0 * stride_dos
         stat_base = b64 * stride_lb + h * stride_lh + q_row0
         mask_head = MASK + b64 * stride_mb + (h // mask_head_div) * stride_mh
@@ -755,11 +797,11 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, tl.load(lists + it), q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
             # partial tiles are bounds-checked only when this key tile is ragged
             n_lean = tl.where(ragged, 0, n_part)
             for it in range(0, n_lean):
@@ -768,39 +810,39 @@ def attn_bwd_dkdv_kernel(
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
             for it in range(n_lean, n_part):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False)
+                    False, DQ_MODE)
         else:
             for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False)
+                    False, DQ_MODE)
             for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
