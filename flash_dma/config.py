@@ -40,7 +40,7 @@ def head_dim_block(head_dim: int) -> int:
 
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
-# the variant ("bias" or "plain") changes the winner. From the sweeps of bench/tune_attention.py on
+# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq) changes the winner. From the sweeps of bench/tune_attention.py on
 # an H200, 2026-11-21 (bench/results/tune-*.json). The key-major backward is register-bound: at
 # head dim 128 its two fp32 accumulators fill the register file unless the key tile stays small.
 _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
@@ -53,7 +53,10 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_bwd_dkdv", 32): LaunchConfig(64, 64, 4, 2),
     ("attn_bwd_dkdv", 64): LaunchConfig(64, 64, 4, 2),
     ("attn_bwd_dkdv", 64, "bias"): LaunchConfig(64, 64, 4, 3),
+    ("attn_bwd_dkdv", 64, "plain-dq"): LaunchConfig(32, 128, 4, 2),
     ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
+    ("attn_bwd_dkdv", 128, "plain-dq"): LaunchConfig(32, 128, 8, 3),
+    ("attn_bwd_dkdv", 128, "bias-dq"): LaunchConfig(32, 128, 8, 3),
     ("attn_bwd_dkdv", 256): LaunchConfig(32, 64, 8, 2),
     ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),

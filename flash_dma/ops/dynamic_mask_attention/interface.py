@@ -269,8 +269,10 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         HEAD_DIM=pb.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_delta, IS_VARLEN=pb.is_varlen,
     )
 
-    # dk, dv (, dbias): key-major
-    cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype, variant)
+    # dk, dv (, dbias), and dq where fused: key-major
+    dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
+    cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype,
+                        variant + ("-dq" if dq_path == "fused" else ""))
     walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
@@ -286,7 +288,6 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # no bias descriptor here: the key-major tile wants the bias transposed, and measured on an
     # H200 the transposed TMA tile lost to pointer loads (3.20 vs 3.07 ms, B2 H16 S4096 D128)
     b_desc = None
-    dq_path = _dq_path(pb, q, bias, db_plan, mode, deterministic)
     dq_acc, dq_desc, dq_mode = dummy, None, kernels.DQ_NONE
     if dq_path == "fused":
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
@@ -353,16 +354,24 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
 # atomics), "atomic" (fused, element atomics always) or "kernel" (a separate query-major kernel).
 # Module-level so that tests and bench/ A/B scripts can choose.
 DQ_STRATEGY = "fused"
+# Fused dq pays up to padded head dim 128 (H200, B4 H16 S4096 plain backward: D128 4.60 -> 4.37 ms,
+# D64 2.71 -> 2.68); at 256 the key-major kernel spills with the extra product (7.38 -> 9.02 ms).
+_FUSED_DQ_MAX_HEAD_DIM = 128
 
 
-def _dq_path(pb: _Problem, q, bias, db_plan, mode, deterministic: bool) -> str:
-    """Where dq comes from: "matmul" (dS is already stored as dbias), "fused" (the key-major kernel
+def _dq_path(pb: _Problem, q, bias, want_dbias: bool, mode: int, deterministic: bool) -> str:
+    """Where dq comes from: "matmul" (dS is stored anyway, as a full-shape dbias in q's dtype, and
+    every tile is computed: dq = scale * dS k is one batched matmul), "fused" (the key-major kernel
     adds dS k into an fp32 accumulator: five matrix products in the backward instead of the seven
     that a separate query-major dq kernel needs, which recomputes q k^T and dO v^T), or "kernel"
-    (that separate kernel: deterministic mode, since the accumulation order of atomics is not)."""
-    if _dq_from_stored_ds(pb, q, bias, db_plan, mode):
-        return "matmul"
+    (that separate kernel: deterministic mode, since the accumulation order of atomics is not, and
+    head dims where fusing measured slower)."""
+    if (want_dbias and not pb.is_varlen and mode == kernels.KV_DENSE and bias.dtype == q.dtype
+            and tuple(bias.shape) == (pb.batch, pb.num_heads, pb.seqlen_q, pb.seqlen_k)):
+        return "matmul"  # (such a bias is never shared across programs: its gradient is dS itself)
     if deterministic or DQ_STRATEGY == "kernel":
+        return "kernel"
+    if DQ_STRATEGY == "fused" and head_dim_block(pb.head_dim) > _FUSED_DQ_MAX_HEAD_DIM:
         return "kernel"
     return "fused"
 
@@ -380,15 +389,6 @@ def _dq_reduce_descriptor(pb: _Problem, dq_acc: torch.Tensor, cfg: LaunchConfig)
     view = dq_acc.view(tokens, pb.num_heads, pb.head_dim)
     return TensorDescriptor(view, list(view.shape), list(view.stride()),
                             [cfg.block_m, 1, head_dim_block(pb.head_dim)])
-
-
-def _dq_from_stored_ds(pb: _Problem, q, bias, db_plan, mode) -> bool:
-    """A full-shape bias gradient is dS itself, already in memory: then dq = scale * dS k is one
-    batched matmul, and the dq kernel's recomputation of q k^T, dO v^T and P is saved. Worth it
-    when every tile is computed anyway (dense walk) and dS is in q's dtype (tensor-core matmul)."""
-    return (db_plan is not None and not db_plan.atomic and not db_plan.slotted
-            and not pb.is_varlen and mode == kernels.KV_DENSE and bias.dtype == q.dtype
-            and tuple(bias.shape) == (pb.batch, pb.num_heads, pb.seqlen_q, pb.seqlen_k))
 
 
 def _dq_by_matmul(pb: _Problem, k, ds):

@@ -148,26 +148,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Launch helpers
 # ------------------------------------------------------------------------------------------------
-def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout):
-    """Gate cumsums, T = (I + A)^-1 per chunk (kept: the backward reuses it), w, u and, with gk,
-    the gated query-key matrix."""
+# Where T is kept anyway, the forward makes w, u with the recompute kernel rather than inside
+# prepare (module-level for A/B scripts; measured in bench/NOTES.md).
+SPLIT_PREPARE = True
+
+
+def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = True):
+    """Gate cumsums, T = (I + A)^-1 per chunk, w and u (unless store_wu is False: returned as
+    None) and, with gk, the gated query-key matrix."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     has_g, has_gk = g is not None, gk is not None
     g_cum = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
     gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) if has_gk else None
-    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
-    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if store_wu else None
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if store_wu else None
     ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # the WY backward reads fp32
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
     cfg = launch.select("prepare", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
     gdn_prepare_kernel[(layout.num_slots, B * HV)](
-        q, k, v, beta, g if has_g else w, gk if has_gk else w, g_cum if has_g else w,
-        gk_cum if has_gk else w, w, u, ai, aqk if has_gk else w, chunk_map, cu,
+        q, k, v, beta, g if has_g else ai, gk if has_gk else ai, g_cum if has_g else ai,
+        gk_cum if has_gk else ai, w if store_wu else ai, u if store_wu else ai, ai,
+        aqk if has_gk else ai, chunk_map, cu,
         T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
-        IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk,
+        IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk, STORE_WU=store_wu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
 
@@ -342,13 +348,17 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
         B, T = q.shape[:2]
         layout = chunk_layout(B, T, cu_seqlens)
-        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
+        keep_t = _backward_reuses_inverse(k.shape[3], v.shape[3], gk is not None)
+        split = keep_t and SPLIT_PREPARE
+        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_wu=not split)
+        if split:
+            w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
         h, v_new, final = _states(k, w, u, g_cum, gk_cum, initial_state, layout, output_final_state)
         del w, u
         o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
         # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
         # states), where the backward can reuse them.
-        if not _backward_reuses_inverse(k.shape[3], v.shape[3], gk is not None):
+        if not keep_t:
             g_cum = ai = None
         ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
         ctx.layout, ctx.scale = layout, scale

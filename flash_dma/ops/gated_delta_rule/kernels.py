@@ -295,7 +295,10 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       STORE_AQK: tl.constexpr):
+                       STORE_AQK: tl.constexpr, STORE_WU: tl.constexpr):
+    """Per chunk: gate cumsums, T = (I + A)^-1 (stored), with gk the gated query-key products,
+    and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
+    gdn_recompute_wu_kernel (two lighter kernels instead of one that spills)."""
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
@@ -408,40 +411,41 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
 
     # Phase 3: w = T diag(beta e^B) K and u = T diag(beta) V.
-    kdt = w.dtype.element_ty
-    s00, s10, s11, s20 = t00.to(kdt), t10.to(kdt), t11.to(kdt), t20.to(kdt)
-    s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
-    for k_start in range(0, K, BK):
-        cols = k_start + tl.arange(0, BK)
-        if HAS_GK:
-            _c0, _c1, _c2, _c3, e0, e1, e2, e3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
-                                                                  b0, b1, b2, b3)
-            e0, e1, e2, e3 = tl.exp(e0), tl.exp(e1), tl.exp(e2), tl.exp(e3)
-        else:
-            e0, e1, e2, e3 = tl.exp(b0)[:, None], tl.exp(b1)[:, None], tl.exp(b2)[:, None], tl.exp(b3)[:, None]
-        kb0 = (_load_tile(k, tok0, r0, H, head, K, cols, n_valid) * e0 * beta0[:, None]).to(kdt)
-        kb1 = (_load_tile(k, tok0, r1, H, head, K, cols, n_valid) * e1 * beta1[:, None]).to(kdt)
-        kb2 = (_load_tile(k, tok0, r2, H, head, K, cols, n_valid) * e2 * beta2[:, None]).to(kdt)
-        kb3 = (_load_tile(k, tok0, r3, H, head, K, cols, n_valid) * e3 * beta3[:, None]).to(kdt)
-        _store_tile(w, tl.dot(s00, kb0), tok0, r0, HV, hv, K, cols, n_valid)
-        _store_tile(w, tl.dot(s10, kb0) + tl.dot(s11, kb1), tok0, r1, HV, hv, K, cols, n_valid)
-        _store_tile(w, tl.dot(s20, kb0) + tl.dot(s21, kb1) + tl.dot(s22, kb2), tok0, r2, HV, hv, K, cols, n_valid)
-        _store_tile(w, tl.dot(s30, kb0) + tl.dot(s31, kb1) + tl.dot(s32, kb2) + tl.dot(s33, kb3),
-                    tok0, r3, HV, hv, K, cols, n_valid)
-    vdt = u.dtype.element_ty
-    s00, s10, s11, s20 = t00.to(vdt), t10.to(vdt), t11.to(vdt), t20.to(vdt)
-    s21, s22, s30, s31, s32, s33 = t21.to(vdt), t22.to(vdt), t30.to(vdt), t31.to(vdt), t32.to(vdt), t33.to(vdt)
-    for v_start in range(0, V, BV):
-        cols = v_start + tl.arange(0, BV)
-        vb0 = (_load_tile(v, tok0, r0, HV, hv, V, cols, n_valid) * beta0[:, None]).to(vdt)
-        vb1 = (_load_tile(v, tok0, r1, HV, hv, V, cols, n_valid) * beta1[:, None]).to(vdt)
-        vb2 = (_load_tile(v, tok0, r2, HV, hv, V, cols, n_valid) * beta2[:, None]).to(vdt)
-        vb3 = (_load_tile(v, tok0, r3, HV, hv, V, cols, n_valid) * beta3[:, None]).to(vdt)
-        _store_tile(u, tl.dot(s00, vb0), tok0, r0, HV, hv, V, cols, n_valid)
-        _store_tile(u, tl.dot(s10, vb0) + tl.dot(s11, vb1), tok0, r1, HV, hv, V, cols, n_valid)
-        _store_tile(u, tl.dot(s20, vb0) + tl.dot(s21, vb1) + tl.dot(s22, vb2), tok0, r2, HV, hv, V, cols, n_valid)
-        _store_tile(u, tl.dot(s30, vb0) + tl.dot(s31, vb1) + tl.dot(s32, vb2) + tl.dot(s33, vb3),
-                    tok0, r3, HV, hv, V, cols, n_valid)
+    if STORE_WU:
+        kdt = w.dtype.element_ty
+        s00, s10, s11, s20 = t00.to(kdt), t10.to(kdt), t11.to(kdt), t20.to(kdt)
+        s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            if HAS_GK:
+                _c0, _c1, _c2, _c3, e0, e1, e2, e3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
+                                                                      b0, b1, b2, b3)
+                e0, e1, e2, e3 = tl.exp(e0), tl.exp(e1), tl.exp(e2), tl.exp(e3)
+            else:
+                e0, e1, e2, e3 = tl.exp(b0)[:, None], tl.exp(b1)[:, None], tl.exp(b2)[:, None], tl.exp(b3)[:, None]
+            kb0 = (_load_tile(k, tok0, r0, H, head, K, cols, n_valid) * e0 * beta0[:, None]).to(kdt)
+            kb1 = (_load_tile(k, tok0, r1, H, head, K, cols, n_valid) * e1 * beta1[:, None]).to(kdt)
+            kb2 = (_load_tile(k, tok0, r2, H, head, K, cols, n_valid) * e2 * beta2[:, None]).to(kdt)
+            kb3 = (_load_tile(k, tok0, r3, H, head, K, cols, n_valid) * e3 * beta3[:, None]).to(kdt)
+            _store_tile(w, tl.dot(s00, kb0), tok0, r0, HV, hv, K, cols, n_valid)
+            _store_tile(w, tl.dot(s10, kb0) + tl.dot(s11, kb1), tok0, r1, HV, hv, K, cols, n_valid)
+            _store_tile(w, tl.dot(s20, kb0) + tl.dot(s21, kb1) + tl.dot(s22, kb2), tok0, r2, HV, hv, K, cols, n_valid)
+            _store_tile(w, tl.dot(s30, kb0) + tl.dot(s31, kb1) + tl.dot(s32, kb2) + tl.dot(s33, kb3),
+                        tok0, r3, HV, hv, K, cols, n_valid)
+        vdt = u.dtype.element_ty
+        s00, s10, s11, s20 = t00.to(vdt), t10.to(vdt), t11.to(vdt), t20.to(vdt)
+        s21, s22, s30, s31, s32, s33 = t21.to(vdt), t22.to(vdt), t30.to(vdt), t31.to(vdt), t32.to(vdt), t33.to(vdt)
+        for v_start in range(0, V, BV):
+            cols = v_start + tl.arange(0, BV)
+            vb0 = (_load_tile(v, tok0, r0, HV, hv, V, cols, n_valid) * beta0[:, None]).to(vdt)
+            vb1 = (_load_tile(v, tok0, r1, HV, hv, V, cols, n_valid) * beta1[:, None]).to(vdt)
+            vb2 = (_load_tile(v, tok0, r2, HV, hv, V, cols, n_valid) * beta2[:, None]).to(vdt)
+            vb3 = (_load_tile(v, tok0, r3, HV, hv, V, cols, n_valid) * beta3[:, None]).to(vdt)
+            _store_tile(u, tl.dot(s00, vb0), tok0, r0, HV, hv, V, cols, n_valid)
+            _store_tile(u, tl.dot(s10, vb0) + tl.dot(s11, vb1), tok0, r1, HV, hv, V, cols, n_valid)
+            _store_tile(u, tl.dot(s20, vb0) + tl.dot(s21, vb1) + tl.dot(s22, vb2), tok0, r2, HV, hv, V, cols, n_valid)
+            _store_tile(u, tl.dot(s30, vb0) + tl.dot(s31, vb1) + tl.dot(s32, vb2) + tl.dot(s33, vb3),
+                        tok0, r3, HV, hv, V, cols, n_valid)
 
 
 @triton.jit
