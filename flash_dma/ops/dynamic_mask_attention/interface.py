@@ -458,8 +458,10 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
     [B, H, Sq, Sk]: each dim 1 or full, the head dim 1, Hk or H. is_causal hides key j from
     query i when j > i + Sk - Sq. Returns out [B, Sq, H, D], and lse [B, H, Sq] (fp32, natural
     log, +inf for rows that see no key) with return_lse. Gradients reach q, k, v and attn_bias
-    (in attn_bias's own shape). deterministic=True makes the bias-gradient reduction over
-    broadcast dims order-fixed, at the price of one fp32 partial per contributor.
+    (in attn_bias's own shape). By default dq is summed over key tiles with fp32 atomics (and so
+    is dbias over broadcast dims): bitwise run-to-run repeatability is not guaranteed.
+    deterministic=True fixes every reduction order: dq from a separate kernel, dbias from one fp32
+    partial per contributor summed in order.
     """
     _check_qkv(q, k, v, varlen=False)
     device = check_same_device({"q": q, "k": k, "v": v, "attn_mask": attn_mask, "attn_bias": attn_bias})
