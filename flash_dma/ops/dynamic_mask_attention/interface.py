@@ -313,7 +313,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     )
 
     if dq_path == "fused":
-        dq = dq_acc.mul_(pb.softmax_scale).to(q.dtype)
+        # scale and cast in one elementwise pass (fp32 in, q's dtype out)
+        dq = torch.mul(dq_acc, pb.softmax_scale, out=torch.empty(q.shape, device=q.device, dtype=q.dtype))
     elif dq_path == "matmul":
         dq = _dq_by_matmul(pb, k, db_plan.buffer)
     else:
