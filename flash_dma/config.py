@@ -40,8 +40,9 @@ def head_dim_block(head_dim: int) -> int:
 
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
-# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq) changes the winner. From the sweeps of bench/tune_attention.py on
-# an H200, 2026-11-21 (bench/results/tune-*.json). The key-major backward is register-bound: at
+# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq) changes the
+# winner. From the sweeps of bench/tune_attention.py on an H200, 2026-11-21
+# (bench/results/tune-*.json; the "-dq" ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at
 # head dim 128 its two fp32 accumulators fill the register file unless the key tile stays small.
 _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),

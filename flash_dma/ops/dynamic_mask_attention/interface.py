@@ -16,7 +16,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...config import LaunchConfig, head_dim_block, select_config
-from ...hardware import device_info, interpreter_active
+from ...hardware import device_info
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
@@ -143,12 +143,17 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
 _DESCRIPTOR_MAX_HEAD_DIM = 128
 
 
+def _before_hopper(t: torch.Tensor) -> bool:
+    """A GPU without the tensor-memory accelerator (the interpreter emulates its loads)."""
+    return t.device.type == "cuda" and device_info(t.device).arch < 90
+
+
 def _kv_descriptors(pb: _Problem, k: torch.Tensor, v: torch.Tensor, cfg: LaunchConfig):
     """Tensor-memory-accelerator descriptors over [tokens, Hk, D] views of k and v, for the
     kernels' whole interior key tiles; (None, None) where the device has no TMA (before Hopper)
     or the layout cannot be described (a batch stride that is not Sk token strides, strides or
     base not 16-byte aligned)."""
-    if k.device.type == "cuda" and device_info(k.device).arch < 90:
+    if _before_hopper(k):
         return None, None
     if head_dim_block(pb.head_dim) > _DESCRIPTOR_MAX_HEAD_DIM:
         return None, None
@@ -176,7 +181,7 @@ def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig, head_dim: int
     (an expanded dim with stride 0, a row stride not 16-byte aligned, as for odd Sk)."""
     if bias is None or bias.shape[2] == 1 or bias.shape[3] == 1 or head_dim > _DESCRIPTOR_MAX_HEAD_DIM:
         return None
-    if bias.device.type == "cuda" and device_info(bias.device).arch < 90:
+    if _before_hopper(bias):
         return None
     shape, strides = list(bias.shape), list(bias.stride())
     if strides[3] != 1 or bias.data_ptr() % 16:
@@ -314,7 +319,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
 
     if dq_path == "fused":
         # scale and cast in one elementwise pass (fp32 in, q's dtype out)
-        dq = torch.mul(dq_acc, pb.softmax_scale, out=torch.empty(q.shape, device=q.device, dtype=q.dtype))
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        torch.mul(dq_acc, pb.softmax_scale, out=dq)
     elif dq_path == "matmul":
         dq = _dq_by_matmul(pb, k, db_plan.buffer)
     else:
@@ -381,8 +387,7 @@ def _dq_reduce_descriptor(pb: _Problem, dq_acc: torch.Tensor, cfg: LaunchConfig)
     """A descriptor over the fp32 dq accumulator viewed as [tokens, H, D], for TMA bulk reductions
     of whole [block_m, 1, D] tiles; None before Hopper, in the interpreter (it has no bulk
     reduction), or where the rows are not 16-byte aligned."""
-    if DQ_STRATEGY == "atomic" or interpreter_active() or dq_acc.device.type != "cuda" \
-            or device_info(dq_acc.device).arch < 90:
+    if DQ_STRATEGY == "atomic" or dq_acc.device.type != "cuda" or _before_hopper(dq_acc):
         return None
     tokens = dq_acc.shape[0] if pb.is_varlen else pb.batch * pb.seqlen_q
     if tokens == 0 or (pb.head_dim * dq_acc.element_size()) % 16:

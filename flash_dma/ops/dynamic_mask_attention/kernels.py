@@ -643,7 +643,8 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         ds_in = ds.to(q.dtype)
         dk += tl.dot(ds_in, q)
         if DQ_MODE != DQ_NONE:  # (dS^T)^T k, as k^T dS^T: k is the operand already in shared memory
-            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d, stride_dqs,
+            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d,
+                          stride_dqs,
                           tl.trans(tl.dot(tl.trans(k), ds_in)), HEAD_DIM, BLOCK_M, DQ_MODE)
         qi = local_m[None, :]
         kj = k_pos[:, None]
@@ -656,7 +657,8 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
         ds_in = ds.to(q.dtype)
         dk += tl.dot(tl.trans(ds_in), q)
         if DQ_MODE != DQ_NONE:
-            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d, stride_dqs,
+            _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d,
+                          stride_dqs,
                           tl.dot(ds_in, k), HEAD_DIM, BLOCK_M, DQ_MODE)
         qi = local_m[:, None]
         kj = k_pos[None, :]
@@ -797,7 +799,8 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, tl.load(lists + it), q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
@@ -810,7 +813,9 @@ def attn_bwd_dkdv_kernel(
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    B_DESC, bias_b, bias_h, k0,
+                    dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS,
                     BIAS_DESC and KV_MODE != 2, DQ_MODE)
             for it in range(n_lean, n_part):
@@ -819,7 +824,9 @@ def attn_bwd_dkdv_kernel(
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
+                    B_DESC, bias_b, bias_h, k0,
+                    dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
                     False, DQ_MODE)
         else:
@@ -828,7 +835,8 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
@@ -838,7 +846,8 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0, dq_base, DQ_DESC, dq_row0, h, stride_dqs,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,

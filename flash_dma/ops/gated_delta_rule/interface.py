@@ -350,7 +350,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         layout = chunk_layout(B, T, cu_seqlens)
         keep_t = _backward_reuses_inverse(k.shape[3], v.shape[3], gk is not None)
         split = keep_t and SPLIT_PREPARE
-        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout, store_wu=not split)
+        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout,
+                                                store_wu=not split)
         if split:
             w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
         h, v_new, final = _states(k, w, u, g_cum, gk_cum, initial_state, layout, output_final_state)
