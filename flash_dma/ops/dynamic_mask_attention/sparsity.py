@@ -13,11 +13,11 @@ Two list kinds (see kernels.py for how they are walked):
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from ...tensor_cache import TensorKeyedCache
 from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
 
 
@@ -152,36 +152,8 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
     return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // shape[1])
 
 
-class _PlanCache:
-    """Key walks of recent masks, so that the forward, the backward and every layer that shares a
-    mask plan it once. Keyed by the mask object itself (a weak reference: a freed mask drops its
-    entry) and its version counter (an in-place change makes a new plan)."""
-
-    def __init__(self, capacity: int = 32):
-        self.capacity = capacity
-        self.entries: dict[int, tuple] = {}
-
-    def get(self, mask: torch.Tensor, key: tuple, build):
-        try:
-            version = mask._version
-        except (RuntimeError, AttributeError):  # inference tensors carry no version counter
-            return build()
-        slot = self.entries.get(id(mask))
-        if slot is not None and slot[0]() is mask and slot[1] == version and key in slot[2]:
-            return slot[2][key]
-        if slot is None or slot[0]() is not mask or slot[1] != version:
-            if len(self.entries) >= self.capacity:
-                self.entries.pop(next(iter(self.entries)))
-            mask_id = id(mask)
-            ref = weakref.ref(mask, lambda _, mask_id=mask_id: self.entries.pop(mask_id, None))
-            slot = (ref, version, {})
-            self.entries[mask_id] = slot
-        plan = build()
-        slot[2][key] = plan
-        return plan
-
-
-_PLANS = _PlanCache()
+# key walks of recent masks: the forward, the backward and every layer sharing a mask plan it once
+_PLANS = TensorKeyedCache()
 
 
 def cached_key_walk(mask: torch.Tensor | None, mode: int, **kw) -> KeyWalk:

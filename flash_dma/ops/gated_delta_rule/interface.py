@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...tensor_cache import TensorKeyedCache
 from ...validation import check_same_device, check_shape, check_tensor
 from . import config as launch
 from .kernels import (
@@ -51,10 +52,26 @@ class ChunkLayout:
         return self.cu_seqlens is not None
 
 
+# varlen layouts per cu_seqlens object: every layer and both passes of a step share one
+_LAYOUTS = TensorKeyedCache()
+
+
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     if cu_seqlens is None:
         nt = triton.cdiv(seq_len, CHUNK)
         return ChunkLayout(batch, seq_len, batch, nt, batch * nt, None, None, None)
+    return _LAYOUTS.get(cu_seqlens, ("layout", seq_len), lambda: _varlen_layout(seq_len, cu_seqlens))
+
+
+def total_chunks(cu_seqlens: torch.Tensor) -> int:
+    """Chunks of all packed sequences: read from the device once per cu_seqlens object (the one
+    host synchronisation of the public bwd_dhu, which must size dh)."""
+    def count() -> int:
+        return int(((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).sum())
+    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), count)
+
+
+def _varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     cu = cu_seqlens.to(torch.int32)
     n = cu.numel() - 1
     # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
@@ -425,7 +442,8 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
     """The state-gradient pass of the chunked gated delta rule (see the spec): returns
     (dh [B, NT, HV, K, V] in q's dtype, dh0 [N, HV, K, V] fp32 or None, dv2 like dv).
     g, gk are chunk-local cumulative sums; with gk, q and k come already gated. With cu_seqlens,
-    NT is the total chunk count of the packed sequences (read from cu_seqlens: one host sync)."""
+    NT is the total chunk count of the packed sequences (read from cu_seqlens: one host sync
+    the first time a cu_seqlens tensor is seen, none after)."""
     for name, t in (("q", q), ("k", k), ("w", w)):
         check_tensor(name, t, dims=4, dtypes=_FLOATS)
     check_tensor("do", do, dims=4, dtypes=_FLOATS)
@@ -463,8 +481,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
                             gk if gk is None else _rows(gk), None if dht is None else _rows(dht),
                             h0 is not None, float(scale), layout, gate_qk=False)
     if layout.is_varlen:
-        total = int(((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).sum())  # the host sync
-        dh = dh[:total].unsqueeze(0)
+        dh = dh[:total_chunks(cu_seqlens)].unsqueeze(0)
     else:
         dh = dh.view(B, -1, HV, K, V)
     return dh, dh0, dv2

@@ -1,0 +1,48 @@
+"""Values derived from a tensor's contents, remembered per tensor object.
+
+Planning work from a mask or from cu_seqlens costs host time (a dozen small launches) and, where
+a size must be read back, a host synchronisation. Training reuses the same mask and cu_seqlens
+objects across the forward, the backward and every layer, so the plans are built once per object
+(as FLA caches its chunk indices per cu_seqlens tensor).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class TensorKeyedCache:
+    """Keyed by the tensor object itself (a weak reference: a freed tensor drops its entries) and
+    its version counter (an in-place change rebuilds), then by a key of the caller's."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self.entries: dict[int, tuple] = {}
+
+    def get(self, tensor: torch.Tensor, key: tuple, build: Callable[[], T]) -> T:
+        try:
+            version = tensor._version
+        except (RuntimeError, AttributeError):  # inference tensors carry no version counter
+            return build()
+        slot = self.entries.get(id(tensor))
+        if slot is not None and slot[0]() is tensor and slot[1] == version and key in slot[2]:
+            return slot[2][key]
+        if slot is None or slot[0]() is not tensor or slot[1] != version:
+            if len(self.entries) >= self.capacity:
+                self.entries.pop(next(iter(self.entries)))
+            tensor_id = id(tensor)
+            ref = weakref.ref(tensor, lambda dead, tensor_id=tensor_id: self._drop(tensor_id, dead))
+            slot = (ref, version, {})
+            self.entries[tensor_id] = slot
+        value = build()
+        slot[2][key] = value
+        return value
+
+    def _drop(self, tensor_id: int, dead_ref) -> None:
+        slot = self.entries.get(tensor_id)
+        if slot is not None and slot[0] is dead_ref:  # not a newer tensor that reuses the id
+            del self.entries[tensor_id]
