@@ -344,9 +344,6 @@ def test_bwd_dhu(mode, varlen):
     check_dhu(x, dtype, None if mode == "A" else 0.25, cu)
 
 
-# ---------------------------------------------------------------------------------------------
-# the references themselves (no kernels: fast)
-
 def test_bwd_dhu_after_cu_seqlens_changes_in_place():
     """The chunk layout (and dh's chunk count) is remembered per cu_seqlens tensor: an in-place
     change of the lengths must be seen."""
@@ -356,6 +353,9 @@ def test_bwd_dhu_after_cu_seqlens_changes_in_place():
     cu.copy_(cu_from_lengths([60, 20]))  # 3 chunks -> 2
     check_dhu(dhu_inputs(1, 80, 1, 1, 16, 16, dtype, "C", cu), dtype, 0.5, cu)
 
+
+# ---------------------------------------------------------------------------------------------
+# the references themselves (no kernels: fast)
 
 @pytest.mark.parametrize("gate,lengths", [("g", None), ("gk", None), ("g+gk", [1, 64, 0, 37, 70])])
 def test_reference_chunk_form_and_state_gradient(gate, lengths):

@@ -66,9 +66,11 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> C
 def total_chunks(cu_seqlens: torch.Tensor) -> int:
     """Chunks of all packed sequences: read from the device once per cu_seqlens object (the one
     host synchronisation of the public bwd_dhu, which must size dh)."""
-    def count() -> int:
-        return int(((cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK).sum())
-    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), count)
+    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), lambda: int(_chunk_counts(cu_seqlens).sum()))
+
+
+def _chunk_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
 
 
 def _varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
@@ -76,7 +78,7 @@ def _varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     n = cu.numel() - 1
     # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
     slots = triton.cdiv(seq_len, CHUNK) + n
-    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    counts = _chunk_counts(cu)
     ends = torch.cumsum(counts, 0).to(torch.int32)
     starts = (ends - counts).to(torch.int32)
     slot = torch.arange(slots, device=cu.device, dtype=torch.int32)
