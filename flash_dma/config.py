@@ -8,6 +8,7 @@ In Triton's CPU interpreter small tiles are used so that small test shapes still
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable
@@ -37,6 +38,33 @@ def head_dim_block(head_dim: int) -> int:
     arithmetic: this runs on every call, and triton.next_power_of_2 goes through Triton's JIT
     dispatch.)"""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def ceil_div(n: int, d: int) -> int:
+    """Grid sizes on the hot path (triton.cdiv goes through Triton's JIT dispatch)."""
+    return -(-n // d)
+
+
+def remember_until_retuned(choose: Callable) -> Callable:
+    """Memoise a launch-configuration choice on its (hashable) arguments, until the tuning cache
+    changes. The choice runs on every call of every op, and a host that launches small problems
+    spends as long choosing as the GPU spends computing."""
+    memo: dict = {}
+    seen = [tuning_cache.generation()]
+
+    @functools.wraps(choose)
+    def chosen(*args):
+        if seen[0] != tuning_cache.generation():
+            memo.clear()
+            seen[0] = tuning_cache.generation()
+        try:
+            return memo[args]
+        except KeyError:
+            memo[args] = result = choose(*args)
+            return result
+
+    chosen.cache_clear = memo.clear
+    return chosen
 
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
@@ -111,12 +139,18 @@ def select_config(kernel: str, device: torch.device, head_dim: int, dtype: torch
                   variant: str = "") -> LaunchConfig:
     if interpreter_active() or device.type != "cuda":
         return INTERPRETER_CONFIG
+    return _select_cuda_config(kernel, device, head_dim, dtype, variant)
+
+
+@remember_until_retuned
+def _select_cuda_config(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype,
+                        variant: str) -> LaunchConfig:
     info = device_info(device)
     block_d = head_dim_block(head_dim)
     hit = tuning_cache.lookup(cache_key(kernel, info, block_d, dtype, variant))
     if hit is not None:
         return LaunchConfig(**hit)
-    return default_config(kernel, info, block_d, torch.empty((), dtype=dtype).element_size(), variant)
+    return default_config(kernel, info, block_d, dtype.itemsize, variant)
 
 
 def candidate_configs(kernel: str, block_d: int) -> list[LaunchConfig]:

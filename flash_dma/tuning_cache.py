@@ -19,6 +19,13 @@ from typing import Any
 
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, Any]] | None = None
+# Bumped whenever entries may have changed: configuration choices memoised on the hot path
+# (config.remember_until_retuned) are recomputed after a sweep stores a winner.
+_GENERATION = 0
+
+
+def generation() -> int:
+    return _GENERATION
 
 
 def cache_dir() -> Path:
@@ -51,9 +58,11 @@ def lookup(key: str) -> dict[str, Any] | None:
 
 def store(key: str, value: dict[str, Any]) -> None:
     """Record a tuned value and rewrite the cache file atomically (never a half-written file)."""
+    global _GENERATION
     with _LOCK:
         entries = _load()
         entries[key] = value
+        _GENERATION += 1
         path = _cache_file()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +87,7 @@ def log_profile(record: dict[str, Any]) -> None:
 
 def forget_memory() -> None:
     """Drop the in-memory copy so the next lookup rereads the file (tests use this)."""
-    global _MEMORY
+    global _MEMORY, _GENERATION
     with _LOCK:
         _MEMORY = None
+        _GENERATION += 1

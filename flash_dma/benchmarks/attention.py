@@ -272,6 +272,10 @@ def sections(quick: bool) -> list[tuple[str, list[AttnCase]]]:
             plain.append(AttnCase(f"B4 H{h} S4096 D{d}{' causal' if causal else ''}", 4, h, 4096, d,
                                   causal, peers=("sdpa-cudnn", "sdpa-flash")))
     sparse = [
+        # the case (a mask alone), then with a full bias, whose [B, H, S, S] gradient must
+        # be written whole (zeros where tiles are skipped) however sparse the mask
+        AttnCase("B2 H16 S4096 D128 1/8 tiles", 2, 16, 4096, 128, mask="tiles-1/8",
+                 peers=("ours-all-tiles", "flex")),
         AttnCase("B2 H16 S4096 D128 1/8 tiles bias[B,H,S,S]", 2, 16, 4096, 128, bias="full",
                  mask="tiles-1/8", peers=("ours-all-tiles", "flex")),
         AttnCase("B1 H16 S16384 D128 top-1024 keys bias[B,H,1,S]", 1, 16, 16384, 128, bias="key",

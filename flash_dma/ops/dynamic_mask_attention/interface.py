@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from ...config import LaunchConfig, head_dim_block, select_config
+from ... import tma
+from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
 from ...hardware import device_info
+from ...launch import launch
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
@@ -97,7 +97,7 @@ def _validate_pair(name: str, t, batch: int, num_heads: int, num_kv_heads: int, 
 
 
 def _grid_blocks(length: int, block: int) -> int:
-    return max(-(-length // block), 1)  # (not triton.cdiv: its dispatch costs microseconds per call)
+    return max(ceil_div(length, block), 1)
 
 
 def _list_args(walk: KeyWalk) -> list:
@@ -122,7 +122,7 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
     grid = (_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
     k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
     b_desc = _bias_descriptor(bias, cfg, head_dim_block(pb.head_dim))
-    kernels.attn_fwd_kernel[grid](
+    launch(kernels.attn_fwd_kernel, grid,
         q, k, v, k_desc, v_desc, out, lse, _pair_args(mask_u8, dummy), _pair_args(bias, dummy), b_desc,
         pb.cu_q if pb.is_varlen else dummy, pb.cu_k if pb.is_varlen else dummy,
         walk.count, walk.index,
@@ -161,17 +161,15 @@ def _kv_descriptors(pb: _Problem, k: torch.Tensor, v: torch.Tensor, cfg: LaunchC
     if tokens == 0:
         return None, None
     descs = []
+    block = [cfg.block_n, 1, head_dim_block(pb.head_dim)]
     for t in (k, v):
         token_stride, head_stride = t.stride(-3), t.stride(-2)
         if not pb.is_varlen and t.stride(0) != pb.seqlen_k * token_stride and pb.batch > 1:
             return None, None
-        if (token_stride * t.element_size()) % 16 or (head_stride * t.element_size()) % 16 \
-                or t.data_ptr() % 16:
+        strides = [token_stride, head_stride, 1]
+        if not tma.aligned16(t, strides):
             return None, None
-        view = t.as_strided((tokens, pb.num_kv_heads, pb.head_dim), (token_stride, head_stride, 1))
-        descs.append(TensorDescriptor(view, [tokens, pb.num_kv_heads, pb.head_dim],
-                                      [token_stride, head_stride, 1],
-                                      [cfg.block_n, 1, head_dim_block(pb.head_dim)]))
+        descs.append(tma.descriptor(t, [tokens, pb.num_kv_heads, pb.head_dim], strides, block))
     return descs[0], descs[1]
 
 
@@ -184,14 +182,14 @@ def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig, head_dim: int
     if _before_hopper(bias):
         return None
     shape, strides = list(bias.shape), list(bias.stride())
-    if strides[3] != 1 or bias.data_ptr() % 16:
-        return None
     for d in (2, 1, 0):
         if shape[d] == 1:  # never stepped along: give it the packed stride so alignment holds
             strides[d] = strides[d + 1] * shape[d + 1]
-        if strides[d] == 0 or (strides[d] * bias.element_size()) % 16:
+        if strides[d] == 0:
             return None
-    return TensorDescriptor(bias, shape, strides, [1, 1, cfg.block_m, cfg.block_n])
+    if not tma.aligned16(bias, strides):
+        return None
+    return tma.descriptor(bias, shape, strides, [1, 1, cfg.block_m, cfg.block_n])
 
 
 def _head_div(pb: _Problem, t: torch.Tensor | None) -> int:
@@ -268,7 +266,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
 
     delta = torch.empty_like(lse)
     cfg_delta = 128 if q.device.type == "cuda" else 16
-    kernels.attn_bwd_delta_kernel[(_grid_blocks(pb.seqlen_q, cfg_delta), pb.batch * pb.num_heads)](
+    delta_grid = (_grid_blocks(pb.seqlen_q, cfg_delta), pb.batch * pb.num_heads)
+    launch(kernels.attn_bwd_delta_kernel, delta_grid,
         out, dout, delta, cu_q, pb.seqlen_q, *pb.row_strides(out), *pb.row_strides(dout),
         *pb.stat_strides(lse), pb.num_heads,
         HEAD_DIM=pb.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_delta, IS_VARLEN=pb.is_varlen,
@@ -298,7 +297,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         dq_desc = _dq_reduce_descriptor(pb, dq_acc, cfg)
         dq_mode = kernels.DQ_TMA_REDUCE if dq_desc is not None else kernels.DQ_ATOMIC
-    kernels.attn_bwd_dkdv_kernel[(n_key_programs, pb.batch * pb.num_kv_heads)](
+    launch(kernels.attn_bwd_dkdv_kernel, (n_key_programs, pb.batch * pb.num_kv_heads),
         q, k, v, dout, dk, dv, db_buf, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
         b_desc,
         cu_q, cu_k, walk.count, walk.index, dq_acc, dq_desc,
@@ -341,7 +340,8 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
     dq = torch.empty_like(q)
     k_desc, v_desc = _kv_descriptors(pb, k, v, cfg)
     b_desc = _bias_descriptor(bias, cfg, head_dim_block(pb.head_dim))
-    kernels.attn_bwd_dq_kernel[(_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)](
+    grid = (_grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
+    launch(kernels.attn_bwd_dq_kernel, grid,
         q, k, v, k_desc, v_desc, dout, dq, lse, delta, _pair_args(mask_u8, dummy),
         _pair_args(bias, dummy), b_desc,
         cu_q, cu_k, walk.count, walk.index,
@@ -392,9 +392,9 @@ def _dq_reduce_descriptor(pb: _Problem, dq_acc: torch.Tensor, cfg: LaunchConfig)
     tokens = dq_acc.shape[0] if pb.is_varlen else pb.batch * pb.seqlen_q
     if tokens == 0 or (pb.head_dim * dq_acc.element_size()) % 16:
         return None
-    view = dq_acc.view(tokens, pb.num_heads, pb.head_dim)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()),
-                            [cfg.block_m, 1, head_dim_block(pb.head_dim)])
+    return tma.descriptor(dq_acc, [tokens, pb.num_heads, pb.head_dim],
+                          [pb.num_heads * pb.head_dim, pb.head_dim, 1],
+                          [cfg.block_m, 1, head_dim_block(pb.head_dim)])
 
 
 def _dq_by_matmul(pb: _Problem, k, ds):

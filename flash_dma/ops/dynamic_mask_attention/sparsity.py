@@ -13,10 +13,12 @@ Two list kinds (see kernels.py for how they are walked):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from ...config import ceil_div
 from ...tensor_cache import TensorKeyedCache
 from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
 
@@ -94,17 +96,23 @@ def _sorted_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, index
 
 
+@functools.lru_cache(maxsize=None)
+def _dense_walk(device: torch.device) -> KeyWalk:
+    """Dense walks read no list: one placeholder per device, not an allocation per call."""
+    unused = torch.zeros(1, 1, 1, 2, 1, dtype=torch.int32, device=device)
+    return KeyWalk(KV_DENSE, unused[..., 0], unused, 1)
+
+
 def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqlen_q: int,
                   seqlen_k: int, is_causal: bool, cu_seqlens_q: torch.Tensor | None,
                   cu_seqlens_k: torch.Tensor | None, block_m: int, block_n: int,
                   key_major: bool, device: torch.device) -> KeyWalk:
     """Lists for one kernel's tile sizes. seqlen_q/k are the (max) lengths the mask is padded to."""
     if mode == KV_DENSE:
-        unused = torch.zeros(1, 1, 1, 2, 1, dtype=torch.int32, device=device)
-        return KeyWalk(KV_DENSE, unused[..., 0], unused, 1)
+        return _dense_walk(device)
 
-    n_m = -(-seqlen_q // block_m)
-    n_n = -(-seqlen_k // block_n)
+    n_m = ceil_div(seqlen_q, block_m)
+    n_n = ceil_div(seqlen_k, block_n)
     len_q = _sequence_lengths(cu_seqlens_q, seqlen_q, device)
     len_k = _sequence_lengths(cu_seqlens_k, seqlen_k, device)
     causal_shift = len_k - len_q  # key j is hidden from query i when j > i + shift

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import tuning_cache
-from ...config import head_dim_block
+from ...config import head_dim_block, remember_until_retuned
 from ...hardware import device_info, interpreter_active
 
 
@@ -73,12 +73,17 @@ def select(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
     """sequences_x_heads: for the sequential passes, the (sequence, value head) pairs, which set
     how many programs a V tile width gives: narrow tiles only while the GPU is not yet full
     (each V tile re-reads q, k and w)."""
-    kp, vp = head_dim_block(K), head_dim_block(V)
     if kernel in OVERRIDES:
         return OVERRIDES[kernel]
     if device.type != "cuda" or interpreter_active():
-        full = kernel in _FULL_K
-        return GdnConfig(kp if full else 16, 16, num_warps=1, num_stages=1)
+        kp = head_dim_block(K)
+        return GdnConfig(kp if kernel in _FULL_K else 16, 16, num_warps=1, num_stages=1)
+    return _select_cuda(kernel, K, V, device, sequences_x_heads)
+
+
+@remember_until_retuned
+def _select_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int) -> GdnConfig:
+    kp, vp = head_dim_block(K), head_dim_block(V)
     info = device_info(device)
     key = f"gdn/{kernel}/K{kp}/V{vp}/{info.name}"
     hit = tuning_cache.lookup(key)

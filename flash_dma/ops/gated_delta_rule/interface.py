@@ -7,14 +7,16 @@ public) and the chunk-parallel gradient kernels.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from ...config import ceil_div
+from ...launch import launch
 from ...tensor_cache import TensorKeyedCache
 from ...validation import check_same_device, check_shape, check_tensor
-from . import config as launch
+from . import config as gdn_config
 from .kernels import (
     gdn_bwd_dhu_kernel,
     gdn_bwd_dqkw_kernel,
@@ -58,7 +60,7 @@ _LAYOUTS = TensorKeyedCache()
 
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     if cu_seqlens is None:
-        nt = triton.cdiv(seq_len, CHUNK)
+        nt = ceil_div(seq_len, CHUNK)
         return ChunkLayout(batch, seq_len, batch, nt, batch * nt, None, None, None)
     return _LAYOUTS.get(cu_seqlens, ("layout", seq_len), lambda: _varlen_layout(seq_len, cu_seqlens))
 
@@ -77,7 +79,7 @@ def _varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     cu = cu_seqlens.to(torch.int32)
     n = cu.numel() - 1
     # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
-    slots = triton.cdiv(seq_len, CHUNK) + n
+    slots = ceil_div(seq_len, CHUNK) + n
     counts = _chunk_counts(cu)
     ends = torch.cumsum(counts, 0).to(torch.int32)
     starts = (ends - counts).to(torch.int32)
@@ -90,18 +92,23 @@ def _varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map)
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_int32(device: torch.device) -> torch.Tensor:
+    """A pointer argument the kernels never read (one per device: an allocation per launch costs
+    host time that small calls notice)."""
+    return torch.empty(0, device=device, dtype=torch.int32)
+
+
 def _chunk_args(layout: ChunkLayout, device) -> tuple:
     if layout.is_varlen:
         return layout.chunk_map, layout.cu_seqlens
-    dummy = torch.empty(0, device=device, dtype=torch.int32)
-    return dummy, dummy
+    return _unused_int32(device), _unused_int32(device)
 
 
 def _seq_args(layout: ChunkLayout, device) -> tuple:
     if layout.is_varlen:
         return layout.cu_seqlens, layout.chunk_offsets
-    dummy = torch.empty(0, device=device, dtype=torch.int32)
-    return dummy, dummy
+    return _unused_int32(device), _unused_int32(device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,9 +192,9 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if store_wu else None
     ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # the WY backward reads fp32
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
-    cfg = launch.select("prepare", K, V, dev)
+    cfg = gdn_config.select("prepare", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
-    gdn_prepare_kernel[(layout.num_slots, B * HV)](
+    launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
         q, k, v, beta, g if has_g else ai, gk if has_gk else ai, g_cum if has_g else ai,
         gk_cum if has_gk else ai, w if store_wu else ai, u if store_wu else ai, ai,
         aqk if has_gk else ai, chunk_map, cu,
@@ -213,9 +220,9 @@ def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout):
     dev = k.device
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-    cfg = launch.select("recompute_wu", K, V, dev)
+    cfg = gdn_config.select("recompute_wu", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
-    gdn_recompute_wu_kernel[(layout.num_slots, B * HV)](
+    launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
         k, v, beta, g_cum if g_cum is not None else w, ai, w, u, chunk_map, cu, T,
         H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
         IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -229,10 +236,10 @@ def _states(k, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_fi
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
     v_new = torch.empty_like(u)
     final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
-    cfg = launch.select("fwd_h", K, V, dev, layout.num_seqs * HV)
+    cfg = gdn_config.select("fwd_h", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
-    grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
-    gdn_fwd_h_kernel[grid](
+    grid = (ceil_div(V, cfg.block_v), layout.num_seqs * HV)
+    launch(gdn_fwd_h_kernel, grid,
         k, w, u, g_cum if g_cum is not None else w, gk_cum if gk_cum is not None else w,
         initial_state if initial_state is not None else w, h, v_new, final if store_final else w,
         cu, offsets, T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v,
@@ -248,9 +255,9 @@ def _intra(q, k, g_cum, gk_cum, aqk, h, v_new, do, scale, layout: ChunkLayout, o
     HV, V = src.shape[2], src.shape[3]
     dev = q.device
     out = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype)
-    cfg = launch.select("intra", K, V, dev)
+    cfg = gdn_config.select("intra", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
-    gdn_intra_kernel[(layout.num_slots, B * HV)](
+    launch(gdn_intra_kernel, (layout.num_slots, B * HV),
         q, k, g_cum if g_cum is not None else q, gk_cum if gk_cum is not None else q,
         aqk if aqk is not None else q, h if h is not None else q, v_new if v_new is not None else q,
         do if do is not None else q, out, chunk_map, cu, T, scale,
@@ -268,10 +275,10 @@ def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout:
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
     dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dv2 = torch.empty_like(dv)
-    cfg = launch.select("bwd_dhu", K, V, dev, layout.num_seqs * HV)
+    cfg = gdn_config.select("bwd_dhu", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
-    grid = (triton.cdiv(V, cfg.block_v), layout.num_seqs * HV)
-    gdn_bwd_dhu_kernel[grid](
+    grid = (ceil_div(V, cfg.block_v), layout.num_seqs * HV)
+    launch(gdn_bwd_dhu_kernel, grid,
         q, k, w, do, dv, g_cum if g_cum is not None else q, gk_cum if gk_cum is not None else q,
         dht if dht is not None else q, dh, dh0 if want_dh0 else q, dv2, cu, offsets, T, scale,
         HQ=HQ, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
@@ -305,8 +312,8 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dh, dh0, dv2 = _bwd_dhu(q, k, w, do, dv_local, g_cum, gk_cum, dht, initial_state is not None,
                             scale, layout, gate_qk=True)
     del dv_local
-    cfg = launch.select("bwd_dqkw", K, V, dev)
-    num_k_tiles = triton.cdiv(K, cfg.block_k)
+    cfg = gdn_config.select("bwd_dqkw", K, V, dev)
+    num_k_tiles = ceil_div(K, cfg.block_k)
     # Without gk and GVA, dq and the WY kernel's dk are final where they are written: straight
     # into the input dtype (saves an fp32 round trip and a cast of each).
     direct = HV == H and not has_gk
@@ -322,7 +329,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
         scratch = dq
     db_tile_stride = B * T * HV
     chunk_map, cu = _chunk_args(layout, dev)
-    gdn_bwd_dqkw_kernel[(layout.num_slots, B * HV, num_k_tiles)](
+    launch(gdn_bwd_dqkw_kernel, (layout.num_slots, B * HV, num_k_tiles),
         q, k, v_new, h, dh, do, dv2, g_cum if has_g else q, gk_cum if has_gk else q, dq, dk, dw, db,
         scratch, chunk_map, cu, T, db_tile_stride, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k,
         BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk, IS_VARLEN=layout.is_varlen,
@@ -331,19 +338,19 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dg = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
-    pair_cfg = launch.select("pair_grad", K, V, dev)
-    pair_grid = (layout.num_slots, B * HV, triton.cdiv(K, pair_cfg.block_k))
+    pair_cfg = gdn_config.select("pair_grad", K, V, dev)
+    pair_grid = (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k))
 
     def pair_grad(x, dm, dx, mult, is_a):
-        gdn_gated_pair_grad_kernel[pair_grid](
+        launch(gdn_gated_pair_grad_kernel, pair_grid,
             x, k, beta, g_cum if has_g else q, gk_cum, dm, dx, dk, dbeta, db, chunk_map, cu, T, mult,
             H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_A=is_a, IS_VARLEN=layout.is_varlen,
             num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
 
     if has_gk:
         pair_grad(q, scratch, dq, scale, False)
-    wy_cfg = launch.select("bwd_wy", K, V, dev)
-    gdn_bwd_wy_kernel[(layout.num_slots, B * HV)](
+    wy_cfg = gdn_config.select("bwd_wy", K, V, dev)
+    launch(gdn_bwd_wy_kernel, (layout.num_slots, B * HV),
         k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dk_out, dv, dbeta,
         db, dg if has_g else q, scratch, chunk_map, cu, T, db_tile_stride, H=H, HV=HV, K=K, V=V,
         BK=wy_cfg.block_k, BV=wy_cfg.block_v, NK=num_k_tiles, HAS_G=has_g, HAS_GK=has_gk,
@@ -352,8 +359,8 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     if has_gk:
         pair_grad(k, scratch, dk, 1.0, True)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
-        gdn_gate_grad_kernel[(layout.num_slots, B * HV)](
-            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=max(64, launch.head_dim_block(K)),
+        launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
+            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=max(64, gdn_config.head_dim_block(K)),
             HAS_G=has_g, IS_VARLEN=layout.is_varlen)
     if not direct:
         dq = _group_sum(dq, H).to(q.dtype)

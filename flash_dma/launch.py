@@ -1,0 +1,132 @@
+"""Kernel launches with less host time per call.
+
+`kernel[grid](*args, **kwargs)` spends most of its ~40 us (H200 host, Triton 3.6) deciding which
+compiled variant to run: binding 50-70 arguments, specialising each one, hashing the result.
+Small problems (a sparse attention call, a short sequence of the delta rule, the ten launches
+of its forward and backward) are then bound by the host, not the GPU.
+
+`launch` remembers, per call signature, the compiled kernel Triton chose and launches it
+directly the next time. The signature is everything Triton's choice depends on, taken
+conservatively: each tensor's dtype and 16-byte alignment, the exact value of every integer,
+the type of every other scalar, each descriptor's dtype, alignment, block shape, shape and
+strides, the keyword arguments (constexprs and launch options) and the device. A signature not
+seen before goes through Triton's own launch path, which compiles as usual.
+
+Used only where verified: Triton 3.6 (the internals read here are not a stable API), on a GPU,
+not in the interpreter, and not when FLASH_DMA_FAST_LAUNCH=0.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .hardware import interpreter_active
+
+_VERIFIED_TRITON = ("3.6.",)
+_MAX_ENTRIES = 512  # signatures remembered per process (the oldest dropped first)
+
+
+def fast_launch_enabled() -> bool:
+    return (triton.__version__.startswith(_VERIFIED_TRITON) and not interpreter_active()
+            and os.environ.get("FLASH_DMA_FAST_LAUNCH", "1") != "0")
+
+
+class _Unkeyable(Exception):
+    """An argument whose effect on Triton's choice we do not model: use Triton's path."""
+
+
+def _arg_key(a):
+    kind = type(a)
+    if kind is int or kind is bool:
+        return a
+    if kind is float:
+        return float
+    if a is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if kind is TensorDescriptor:
+        return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
+                tuple(a.strides), a.padding)
+    raise _Unkeyable
+
+
+def signature_key(kernel, args: tuple, kwargs: dict, device: int):
+    """What Triton's choice of compiled variant depends on, for this call (see module doc)."""
+    return (id(kernel), device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+
+
+class _Entry:
+    __slots__ = ("compiled", "tail")
+
+    def __init__(self, compiled, tail: tuple):
+        self.compiled = compiled
+        self.tail = tail  # the constexpr values after the positional arguments, in order
+
+
+_ENTRIES: OrderedDict = OrderedDict()
+_ENABLED: bool | None = None
+
+
+def _constexpr_tail(kernel, args: tuple, kwargs: dict) -> tuple | None:
+    """Values of the parameters after the positional ones, if all of them are constexprs given
+    as keywords or by default (then the compiled kernel takes args + these); else None."""
+    params = kernel.params
+    tail = []
+    for p in params[len(args):]:
+        if not p.is_constexpr:
+            return None
+        if p.name in kwargs:
+            tail.append(kwargs[p.name])
+        elif p.has_default:
+            tail.append(p.default)
+        else:
+            return None
+    return tuple(tail)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), remembering Triton's choice of compiled kernel."""
+    global _ENABLED
+    if _ENABLED is None:
+        _ENABLED = fast_launch_enabled()
+    if not _ENABLED:
+        kernel[grid](*args, **kwargs)
+        return
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    try:
+        key = signature_key(kernel, args, kwargs, device)
+        entry = _ENTRIES.get(key)
+    except (_Unkeyable, TypeError):  # TypeError: an unhashable keyword value
+        kernel[grid](*args, **kwargs)
+        return
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)  # Triton's own path: compiles, specialises, launches
+        if hasattr(compiled, "result"):  # (asynchronous compilation hands back a future)
+            compiled = compiled.result()
+        tail = _constexpr_tail(kernel, args, kwargs)
+        if compiled is not None and tail is not None:
+            _ENTRIES[key] = _Entry(compiled, tail)
+            if len(_ENTRIES) > _MAX_ENTRIES:
+                _ENTRIES.popitem(last=False)
+        return
+    compiled = entry.compiled
+    stream = driver.get_current_stream(device)
+    hooks = triton.knobs.runtime
+    full = args + entry.tail
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
+                 hooks.launch_exit_hook, *full)
+
+
+def forget() -> None:
+    """Drop every remembered signature (tests; after changing FLASH_DMA_FAST_LAUNCH)."""
+    global _ENABLED
+    _ENTRIES.clear()
+    _ENABLED = None
