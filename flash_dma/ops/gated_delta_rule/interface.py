@@ -102,13 +102,15 @@ def _unused_int32(device: torch.device) -> torch.Tensor:
 def _chunk_args(layout: ChunkLayout, device) -> tuple:
     if layout.is_varlen:
         return layout.chunk_map, layout.cu_seqlens
-    return _unused_int32(device), _unused_int32(device)
+    unused = _unused_int32(device)
+    return unused, unused
 
 
 def _seq_args(layout: ChunkLayout, device) -> tuple:
     if layout.is_varlen:
         return layout.cu_seqlens, layout.chunk_offsets
-    return _unused_int32(device), _unused_int32(device)
+    unused = _unused_int32(device)
+    return unused, unused
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,7 +362,8 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
         pair_grad(k, scratch, dk, 1.0, True)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
         launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
-            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K, BK=max(64, gdn_config.head_dim_block(K)),
+            db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K,
+            BK=max(64, gdn_config.head_dim_block(K)),
             HAS_G=has_g, IS_VARLEN=layout.is_varlen)
     if not direct:
         dq = _group_sum(dq, H).to(q.dtype)
