@@ -68,8 +68,9 @@ def remember_until_retuned(choose: Callable) -> Callable:
 
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
-# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq) changes the
-# winner. From the sweeps of bench/tune_attention.py on an H200, 2026-11-21
+# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq; "-list" when
+# it walks block lists) changes the winner; a variant without an entry takes its longest listed
+# prefix's. From the sweeps of bench/tune_attention.py on an H200, 2026-11-21
 # (bench/results/tune-*.json; the "-dq" ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at
 # head dim 128 its two fp32 accumulators fill the register file unless the key tile stays small.
 _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
@@ -86,6 +87,9 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
     ("attn_bwd_dkdv", 128, "plain-dq"): LaunchConfig(32, 128, 8, 3),
     ("attn_bwd_dkdv", 128, "bias-dq"): LaunchConfig(32, 128, 8, 3),
+    # block lists ("-list"): 64-query tiles, which spill in the dense walk (B4 H16 S4096: 6.3 ms
+    # vs 4.1), measured 1.97 vs 2.43 ms with every tile listed, 0.32 vs 0.37 with 1/8 (H200, s7)
+    ("attn_bwd_dkdv", 128, "plain-dq-list"): LaunchConfig(64, 128, 8, 2),
     ("attn_bwd_dkdv", 256): LaunchConfig(32, 64, 8, 2),
     ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),
@@ -121,10 +125,20 @@ def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: in
     return cfg
 
 
+def _variant_chain(variant: str) -> list[str]:
+    """"plain-dq-list" -> ["plain-dq-list", "plain-dq", "plain"]: the most specific default first."""
+    parts = variant.split("-") if variant else []
+    return ["-".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
 def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int = 2,
                    variant: str = "") -> LaunchConfig:
     d = min(block_d, 256)
-    cfg = _HOPPER_DEFAULTS.get((kernel, d, variant)) or _HOPPER_DEFAULTS[(kernel, d)]
+    cfg = _HOPPER_DEFAULTS[(kernel, d)]
+    for narrower in _variant_chain(variant):
+        if (kernel, d, narrower) in _HOPPER_DEFAULTS:
+            cfg = _HOPPER_DEFAULTS[(kernel, d, narrower)]
+            break
     if not info.is_hopper:
         # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)

@@ -17,6 +17,17 @@ def test_defaults_fit_shared_memory():
                 assert config.estimate_shared_memory(kernel, cfg, d, 2) <= info.shared_memory_per_block
 
 
+def test_variant_defaults_fall_back_to_their_longest_listed_prefix():
+    hopper = DeviceInfo("hopper", 90, 132, 227 * 1024, 0)
+    listed = config._HOPPER_DEFAULTS
+    for variant, expected in (("plain-dq-list", ("attn_bwd_dkdv", 128, "plain-dq-list")),
+                              ("bias-dq-list", ("attn_bwd_dkdv", 128, "bias-dq")),
+                              ("bias-list", ("attn_bwd_dkdv", 128)),
+                              ("", ("attn_bwd_dkdv", 128))):
+        assert config.default_config("attn_bwd_dkdv", hopper, 128, 2, variant) == listed[expected]
+    assert listed[("attn_bwd_dkdv", 128, "plain-dq-list")] != listed[("attn_bwd_dkdv", 128, "plain-dq")]
+
+
 def test_tuning_cache_roundtrip_and_log(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASH_DMA_CACHE_DIR", str(tmp_path))
     tuning_cache.forget_memory()

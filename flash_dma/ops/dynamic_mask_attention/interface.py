@@ -276,7 +276,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # dk, dv (, dbias), and dq where fused: key-major
     dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
     cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype,
-                        variant + ("-dq" if dq_path == "fused" else ""))
+                        variant + ("-dq" if dq_path == "fused" else "")
+                        + ("-list" if mode == kernels.KV_BLOCK_LIST else ""))
     walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
                          seqlen_k=pb.seqlen_k, is_causal=pb.is_causal, cu_seqlens_q=pb.cu_q,
                          cu_seqlens_k=pb.cu_k, block_m=cfg.block_m, block_n=cfg.block_n,
@@ -410,6 +411,7 @@ class _DynamicMaskAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, pb: _Problem, deterministic: bool):
         out, lse, mode = _attention_forward(pb, q, k, v, mask, bias)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
         ctx.save_for_backward(q, k, v, out, lse, mask, bias)
         ctx.problem, ctx.mode, ctx.deterministic = pb, mode, deterministic
         ctx.mark_non_differentiable(lse)
@@ -417,6 +419,8 @@ class _DynamicMaskAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # only lse was used (it carries no gradient): every gradient is zero
+            return None, None, None, None, None, None, None
         q, k, v, out, lse, mask, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[4]
         dq, dk, dv, dbias = _attention_backward(ctx.problem, q, k, v, out, lse, dout, mask, bias,
