@@ -42,9 +42,10 @@ class _Problem:
 
     def row_strides(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, token, head) strides of q/k/v-like tensors; varlen has no batch axis."""
+        s = t.stride()
         if self.is_varlen:
-            return 0, t.stride(0), t.stride(1)
-        return t.stride(0), t.stride(1), t.stride(2)
+            return 0, s[0], s[1]
+        return s[0], s[1], s[2]
 
     def stat_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         """lse/delta: [B, H, Sq] (batch, head strides) or varlen [H, total_q]."""
@@ -62,7 +63,8 @@ def _pair_strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Strides of a broadcastable [B, H, Sq, Sk] mask or bias, 0 along size-1 dims."""
     if t is None:
         return 0, 0, 0, 0
-    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(4))
+    shape, stride = t.shape, t.stride()
+    return tuple(0 if shape[i] == 1 else stride[i] for i in range(4))
 
 
 def _pair_flags(t: torch.Tensor | None) -> tuple[bool, bool]:
@@ -100,8 +102,8 @@ def _grid_blocks(length: int, block: int) -> int:
     return max(ceil_div(length, block), 1)
 
 
-def _list_args(walk: KeyWalk) -> list:
-    return walk.kernel_args()
+def _list_args(walk: KeyWalk) -> tuple[int, ...]:
+    return walk.strides
 
 
 def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):

@@ -36,14 +36,16 @@ class KeyWalk:
     index: torch.Tensor
     head_div: int  # query head h reads list head h // head_div
 
-    def kernel_args(self) -> list[int]:
-        """Strides the kernels take: count (batch, head, row), index (batch, head, row, kind)."""
+    @functools.cached_property
+    def strides(self) -> tuple[int, ...]:
+        """Strides the kernels take: count (batch, head, row), index (batch, head, row, kind).
+        Computed once: a walk is remembered across calls and never changes."""
         c, i = self.count, self.index
         listed = self.mode == KV_BLOCK_LIST
-        return [_broadcast_stride(c, 0), _broadcast_stride(c, 1),
+        return (_broadcast_stride(c, 0), _broadcast_stride(c, 1),
                 _broadcast_stride(c, 2) if c.dim() > 2 else 0,
                 _broadcast_stride(i, 0), _broadcast_stride(i, 1),
-                _broadcast_stride(i, 2) if listed else 0, i.stride(3) if listed else 0]
+                _broadcast_stride(i, 2) if listed else 0, i.stride(3) if listed else 0)
 
 
 def _broadcast_stride(t: torch.Tensor, dim: int) -> int:
