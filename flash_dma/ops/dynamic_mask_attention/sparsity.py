@@ -171,7 +171,9 @@ def cached_key_walk(mask: torch.Tensor | None, mode: int, **kw) -> KeyWalk:
     cu_seqlens values too)."""
     if mask is None or mode == KV_DENSE or kw.get("cu_seqlens_q") is not None:
         return plan_key_walk(mask, mode, **kw)
-    key = (mode, *sorted((k, v) for k, v in kw.items() if k not in ("cu_seqlens_q", "cu_seqlens_k")))
+    # (name, value) pairs in the caller's order, unsorted: a call site that names them in another
+    # order only plans once more, and sorting cost more host time than the lookup it guards
+    key = (mode, *[item for item in kw.items() if item[0] not in ("cu_seqlens_q", "cu_seqlens_k")])
     return _PLANS.get(mask, key, lambda: plan_key_walk(mask, mode, **kw))
 
 
