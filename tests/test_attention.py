@@ -201,6 +201,26 @@ def test_no_grad_path_and_inference_mode():
     assert_close("out", out, ref, dtype)
 
 
+def test_no_gradient_reaching_the_output_gives_none():
+    """A later op may hand back no gradient for out (lse never carries one): the backward then
+    returns no gradients instead of launching kernels on a missing dout."""
+    class DropFirst(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, ignored, kept):
+            ctx.set_materialize_grads(False)
+            return kept.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    q, k, v = (torch.randn(1, 9, 2, 16, device=DEVICE, dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    out = flash_dma_func(q, k, v)
+    dq, dk, dv = torch.autograd.grad(DropFirst.apply(out, q).sum(), [q, k, v], allow_unused=True)
+    assert torch.equal(dq, torch.ones_like(q)) and dk is None and dv is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
