@@ -126,7 +126,8 @@ def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: in
 
 
 def _variant_chain(variant: str) -> list[str]:
-    """"plain-dq-list" -> ["plain-dq-list", "plain-dq", "plain"]: the most specific default first."""
+    """The variant and its shorter prefixes, most specific first:
+    "plain-dq-list" -> ["plain-dq-list", "plain-dq", "plain"]."""
     parts = variant.split("-") if variant else []
     return ["-".join(parts[:i]) for i in range(len(parts), 0, -1)]
 

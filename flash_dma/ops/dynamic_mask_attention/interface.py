@@ -20,7 +20,7 @@ from ...launch import launch
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
 from . import kernels
-from .sparsity import KeyWalk, cached_key_walk, choose_mode
+from .sparsity import cached_key_walk, choose_mode
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -102,10 +102,6 @@ def _grid_blocks(length: int, block: int) -> int:
     return max(ceil_div(length, block), 1)
 
 
-def _list_args(walk: KeyWalk) -> tuple[int, ...]:
-    return walk.strides
-
-
 def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):
     return t if t is not None else dummy
 
@@ -130,7 +126,7 @@ def _attention_forward(pb: _Problem, q, k, v, mask, bias):
         walk.count, walk.index,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(out),
-        *pb.stat_strides(lse), *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
+        *pb.stat_strides(lse), *_pair_strides(mask), *_pair_strides(bias), *walk.strides,
         pb.num_heads, pb.num_heads // pb.num_kv_heads, _head_div(pb, mask), _head_div(pb, bias),
         walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
@@ -310,7 +306,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         *(pb.row_strides(dq_acc) if dq_path == "fused" else (0, 0, 0)), *pb.stat_strides(lse),
         *_pair_strides(mask), *_pair_strides(bias), *db_strides,
         *(db_plan.slot_strides if db_plan is not None else (0, 0, 0)),
-        *_list_args(walk),
+        *walk.strides,
         pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode),
         HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
@@ -351,7 +347,7 @@ def _dq_kernel(pb: _Problem, q, k, v, dout, lse, delta, mask, mask_u8, bias, mod
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
         *pb.row_strides(dq), *pb.stat_strides(lse),
-        *_pair_strides(mask), *_pair_strides(bias), *_list_args(walk),
+        *_pair_strides(mask), *_pair_strides(bias), *walk.strides,
         pb.num_heads, kv_group, _head_div(pb, mask), _head_div(pb, bias), walk.head_div,
         **_constexprs(pb, cfg, mask, bias, mode), KV_DESC=k_desc is not None,
         BIAS_DESC=b_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -421,7 +417,7 @@ class _DynamicMaskAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # only lse was used (it carries no gradient): every gradient is zero
+        if dout is None:  # no gradient reached out (lse never carries one): every gradient is zero
             return None, None, None, None, None, None, None
         q, k, v, out, lse, mask, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[4]
