@@ -57,14 +57,20 @@ def case(label, B, H, S, D, causal=False, bias=None, mask=None, cfgs=()):
         finally:
             AI.select_config = real
 
-big = (C(64, 128, 8, 2), C(64, 128, 8, 3))
-case("B4 H16 S4096 D128", 4, 16, 4096, 128, cfgs=big)
-case("B4 H16 S4096 D128 causal", 4, 16, 4096, 128, causal=True, cfgs=big)
-case("B2 H16 S4096 D128 bias full", 2, 16, 4096, 128, bias="full", cfgs=big)
-case("B2 H16 S4096 D128 bias full causal", 2, 16, 4096, 128, causal=True, bias="full", cfgs=big)
-case("B2 H16 S4096 D128 bias key", 2, 16, 4096, 128, bias="key", cfgs=big)
-case("B2 H16 S4096 D128 1/8+bias", 2, 16, 4096, 128, bias="full", mask="1/8", cfgs=big)
-case("B4 H16 S4096 D64", 4, 16, 4096, 64, cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2), C(64, 128, 4, 3)))
-case("B4 H16 S4096 D64 causal", 4, 16, 4096, 64, causal=True, cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2)))
-case("B2 H16 S4096 D64 bias full", 2, 16, 4096, 64, bias="full", cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2)))
-case("B4 H8 S4096 D256", 4, 8, 4096, 256, cfgs=(C(64, 64, 8, 2), C(64, 128, 8, 1)))
+
+def main():
+    big = (C(64, 128, 8, 2), C(64, 128, 8, 3))
+    case("B4 H16 S4096 D128", 4, 16, 4096, 128, cfgs=big)
+    case("B4 H16 S4096 D128 causal", 4, 16, 4096, 128, causal=True, cfgs=big)
+    case("B2 H16 S4096 D128 bias full", 2, 16, 4096, 128, bias="full", cfgs=big)
+    case("B2 H16 S4096 D128 bias full causal", 2, 16, 4096, 128, causal=True, bias="full", cfgs=big)
+    case("B2 H16 S4096 D128 bias key", 2, 16, 4096, 128, bias="key", cfgs=big)
+    case("B2 H16 S4096 D128 1/8+bias", 2, 16, 4096, 128, bias="full", mask="1/8", cfgs=big)
+    case("B4 H16 S4096 D64", 4, 16, 4096, 64, cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2), C(64, 128, 4, 3)))
+    case("B4 H16 S4096 D64 causal", 4, 16, 4096, 64, causal=True, cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2)))
+    case("B2 H16 S4096 D64 bias full", 2, 16, 4096, 64, bias="full", cfgs=(C(64, 128, 4, 2), C(64, 128, 8, 2)))
+    case("B4 H8 S4096 D256", 4, 8, 4096, 256, cfgs=(C(64, 64, 8, 2), C(64, 128, 8, 1)))
+
+
+if __name__ == "__main__":
+    main()

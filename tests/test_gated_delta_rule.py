@@ -62,7 +62,7 @@ def make_inputs(B, T, H, HV, K, V, dtype, gate="g", states=False, n_seqs=None, n
                 shifts=(5.0, 5.0)):
     """Realistic inputs: unit-norm keys, per-token decays exp(g) mostly in [0.95, 1) (about
     exp(-0.7) over a chunk: the state carried across chunks matters), beta in (0, 1).
-    gate: "g", "gk" or "g+gk"; g = logsigmoid(randn + shifts[0]), gk = logsigmoid(randn + shifts[1]).
+    gate: "g", "gk", "g+gk" or "none"; g = logsigmoid(randn + shifts[0]), gk = logsigmoid(randn + shifts[1]).
     Gates and states are fp32; beta is in q's dtype."""
     gates = gate.split("+")
     q = torch.randn(B, T, H, K, device=DEVICE, dtype=dtype)
@@ -140,6 +140,8 @@ SHAPES = {  # (B, T, H, HV, K, V, gate, states)
     "g+gk-gva": (1, 100, 1, 2, 32, 32, "g+gk", True),
     # head dims of whole 64-wide tiles: the backward recomputes w, u from the forward's T
     "K64-kept-T": (1, 70, 1, 1, 64, 64, "g", False),
+    "K64-kept-T-gva": (1, 70, 1, 2, 64, 128, "g", True),
+    "K64-kept-T-no-gate": (2, 67, 1, 1, 64, 64, "none", True),
 }
 
 
@@ -188,11 +190,12 @@ def test_custom_scale_and_one_state(initial, final):
 VARLEN_LENGTHS = [1, 64, 0, 20, 50]  # a single token, exactly one chunk, an empty sequence
 
 
-@pytest.mark.parametrize("gate,cu_dtype", [("g", torch.int32), ("g+gk", torch.int64)])
-def test_varlen(gate, cu_dtype):
+@pytest.mark.parametrize("gate,cu_dtype,K,V", [("g", torch.int32, 16, 32), ("g+gk", torch.int64, 16, 32),
+                                               ("g", torch.int32, 64, 64)])
+def test_varlen(gate, cu_dtype, K, V):
     dtype = DTYPES[-1]
     cu = cu_from_lengths(VARLEN_LENGTHS, cu_dtype)
-    inputs = make_inputs(1, sum(VARLEN_LENGTHS), 1, 2, 16, 32, dtype, gate, True,
+    inputs = make_inputs(1, sum(VARLEN_LENGTHS), 1, 2, K, V, dtype, gate, True,
                          n_seqs=len(VARLEN_LENGTHS))
     check_against_reference(inputs, dtype, cu_seqlens=cu)
 
@@ -455,6 +458,8 @@ GPU_SHAPES = {  # (B, T, H, HV, K, V, gate, states)
     "gk-K64-V128": (1, 4096, 4, 4, 64, 128, "gk", True),
     "K256-V256": (2, 2048, 2, 2, 256, 256, "g", True),
     "K48-V32": (1, 1000, 2, 2, 48, 32, "g", True),
+    "gva-128": (1, 4096, 4, 8, 128, 128, "g", True),
+    "no-gate-gva-K64-V128": (2, 2048, 2, 4, 64, 128, "none", True),
 }
 
 

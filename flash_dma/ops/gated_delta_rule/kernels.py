@@ -715,6 +715,8 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         dkl += tl.dot(vn_t, tl.trans(dh_t))
         dpa += tl.dot(do_t, tl.trans(vn_t))
         dlast += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
+    # each finished tile is stored as soon as it is complete: fewer live at once (it spilled)
+    _store_tile(dw, -dwa, tok0, rows, HV, hv, K, kcols, n_valid)
     qt = _load_tile(q, tok0, rows, H, head, K, kcols, n_valid)
     kt = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
     bt, b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
@@ -728,25 +730,24 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         if k_tile == 0:
             dp_ptrs, dp_mask = _square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
             tl.store(dp_ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=dp_mask)
+        _store_tile(dq, dq_t, tok0, rows, HV, hv, K, kcols, n_valid)
+        _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
+        _store_tile(db, gate, tok0, rows, HV, hv, K, kcols, n_valid)
     else:
         if HAS_G:
             b_row = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
             pg = dpa * _scalar_gamma(b_row, b_row, True) * scale
         else:
             pg = tl.where(rows[:, None] >= rows[None, :], dpa * scale, 0.0)
+        gate_rows = tl.sum(gate, axis=1)
         dq_p = tl.dot(pg.to(kt.dtype), kt)
+        gate_rows += tl.sum(qt.to(tl.float32) * dq_p, axis=1)
+        _store_tile(dq, dq_t + dq_p, tok0, rows, HV, hv, K, kcols, n_valid)
         dk_p = tl.dot(tl.trans(pg).to(qt.dtype), qt)
-        dq_t += dq_p
-        dk_t += dk_p
-        gate += qt.to(tl.float32) * dq_p - kt.to(tl.float32) * dk_p
-    _store_tile(dq, dq_t, tok0, rows, HV, hv, K, kcols, n_valid)
-    _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
-    _store_tile(dw, -dwa, tok0, rows, HV, hv, K, kcols, n_valid)
-    if HAS_GK:
-        _store_tile(db, gate, tok0, rows, HV, hv, K, kcols, n_valid)
-    elif HAS_G:  # one partial sum over this K tile's keys; the wy kernel adds the tiles
-        _store_vec(db + k_tile.to(tl.int64) * db_tile_stride, tl.sum(gate, axis=1), tok0, rows, HV, hv,
-                   n_valid)
+        gate_rows -= tl.sum(kt.to(tl.float32) * dk_p, axis=1)
+        _store_tile(dk, dk_t + dk_p, tok0, rows, HV, hv, K, kcols, n_valid)
+        if HAS_G:  # one partial sum over this K tile's keys; the wy kernel adds the tiles
+            _store_vec(db + k_tile.to(tl.int64) * db_tile_stride, gate_rows, tok0, rows, HV, hv, n_valid)
 
 
 @triton.jit
