@@ -42,6 +42,9 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     # masked beyond K.
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
+    if kernel == "prepare_t":  # T only, tf32 products: one warp per chunk (B8 T4096 H32: 170 us,
+        # two warps 275, four 540; bench/results/s8-probes-H200-20261121.txt)
+        return GdnConfig(64, min(vp, 64), num_warps=1, num_stages=3)
     if kernel == "recompute_wu":  # no software pipeline: the fastest in the sweep
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
     if kernel == "bwd_dqkw":  # all of K (up to 128) in one tile: do, v_new, dv2 read once

@@ -181,6 +181,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 SPLIT_PREPARE = True
 
 
+def _inverse_precision(dtype: torch.dtype) -> str:
+    """Products of the blockwise inverse T = (I + A)^-1: on tf32 tensor cores for 16-bit inputs,
+    whose w = T diag(beta e^B) K and u = T diag(beta) V are rounded to 8 or 11 significant bits
+    anyway (and whose WY backward multiplies T in tf32 already): prepare 500 -> 276 us at
+    B8 T4096 H32 bf16 on an H200, errors against fp64 unchanged at T = 4096 (bench/NOTES.md,
+    session 8). fp32 inputs keep exact fp32 products."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = True):
     """Gate cumsums, T = (I + A)^-1 per chunk, w and u (unless store_wu is False: returned as
     None) and, with gk, the gated query-key matrix."""
@@ -194,7 +203,9 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if store_wu else None
     ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # the WY backward reads fp32
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
-    cfg = gdn_config.select("prepare", K, V, dev)
+    precision = _inverse_precision(k.dtype)
+    # T alone in tf32 is light enough for one warp per chunk; w, u or exact products want two
+    cfg = gdn_config.select("prepare" if store_wu or precision == "ieee" else "prepare_t", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
         q, k, v, beta, g if has_g else ai, gk if has_gk else ai, g_cum if has_g else ai,
@@ -202,6 +213,7 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
         aqk if has_gk else ai, chunk_map, cu,
         T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
         IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk, STORE_WU=store_wu,
+        INVERSE_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
 

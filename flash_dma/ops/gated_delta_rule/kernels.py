@@ -187,23 +187,23 @@ def _last_row_of(x, n_valid):
 # 16-row block algebra used by the WY representation
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _dot32(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _dot32(a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _inv_unit_lower(a):
+def _inv_unit_lower(a, PRECISION: tl.constexpr):
     """(I + a)^-1 for a strictly lower-triangular 16x16 a: with m = -a nilpotent (m^16 = 0),
     (I + m)(I + m^2)(I + m^4)(I + m^8) = sum of m^n for n < 16."""
     idx = tl.arange(0, 16)
     m = -a
     p = (idx[:, None] == idx[None, :]).to(tl.float32) + m
-    m2 = _dot32(m, m)
-    p = p + _dot32(p, m2)
-    m4 = _dot32(m2, m2)
-    p = p + _dot32(p, m4)
-    m8 = _dot32(m4, m4)
-    p = p + _dot32(p, m8)
+    m2 = _dot32(m, m, PRECISION)
+    p = p + _dot32(p, m2, PRECISION)
+    m4 = _dot32(m2, m2, PRECISION)
+    p = p + _dot32(p, m4, PRECISION)
+    m8 = _dot32(m4, m4, PRECISION)
+    p = p + _dot32(p, m8, PRECISION)
     return p
 
 
@@ -295,10 +295,12 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       STORE_AQK: tl.constexpr, STORE_WU: tl.constexpr):
+                       STORE_AQK: tl.constexpr, STORE_WU: tl.constexpr,
+                       INVERSE_PRECISION: tl.constexpr):
     """Per chunk: gate cumsums, T = (I + A)^-1 (stored), with gk the gated query-key products,
     and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
-    gdn_recompute_wu_kernel (two lighter kernels instead of one that spills)."""
+    gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
+    INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32")."""
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
@@ -391,10 +393,11 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         a11 = tl.where(strict, a11, 0.0)
         a22 = tl.where(strict, a22, 0.0)
         a33 = tl.where(strict, a33, 0.0)
-    t00 = _inv_unit_lower(a00 * beta0[:, None])
-    t11 = _inv_unit_lower(a11 * beta1[:, None])
-    t22 = _inv_unit_lower(a22 * beta2[:, None])
-    t33 = _inv_unit_lower(a33 * beta3[:, None])
+    P: tl.constexpr = INVERSE_PRECISION
+    t00 = _inv_unit_lower(a00 * beta0[:, None], P)
+    t11 = _inv_unit_lower(a11 * beta1[:, None], P)
+    t22 = _inv_unit_lower(a22 * beta2[:, None], P)
+    t33 = _inv_unit_lower(a33 * beta3[:, None], P)
     a10 = a10 * beta1[:, None]
     a20 = a20 * beta2[:, None]
     a21 = a21 * beta2[:, None]
@@ -402,12 +405,12 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     a31 = a31 * beta3[:, None]
     a32 = a32 * beta3[:, None]
     # Block forward substitution: T_IJ = -T_II sum_{J <= m < I} A_Im T_mJ.
-    t10 = -_dot32(t11, _dot32(a10, t00))
-    t21 = -_dot32(t22, _dot32(a21, t11))
-    t32 = -_dot32(t33, _dot32(a32, t22))
-    t20 = -_dot32(t22, _dot32(a20, t00) + _dot32(a21, t10))
-    t31 = -_dot32(t33, _dot32(a31, t11) + _dot32(a32, t21))
-    t30 = -_dot32(t33, _dot32(a30, t00) + _dot32(a31, t10) + _dot32(a32, t20))
+    t10 = -_dot32(t11, _dot32(a10, t00, P), P)
+    t21 = -_dot32(t22, _dot32(a21, t11, P), P)
+    t32 = -_dot32(t33, _dot32(a32, t22, P), P)
+    t20 = -_dot32(t22, _dot32(a20, t00, P) + _dot32(a21, t10, P), P)
+    t31 = -_dot32(t33, _dot32(a31, t11, P) + _dot32(a32, t21, P), P)
+    t30 = -_dot32(t33, _dot32(a30, t00, P) + _dot32(a31, t10, P) + _dot32(a32, t20, P), P)
     _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
 
     # Phase 3: w = T diag(beta e^B) K and u = T diag(beta) V.
