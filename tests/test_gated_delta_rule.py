@@ -200,6 +200,15 @@ def test_varlen(gate, cu_dtype, K, V):
     check_against_reference(inputs, dtype, cu_seqlens=cu)
 
 
+def test_inverse_precision_follows_the_input_dtype():
+    """The WY inverse's products may use tf32 only where w and u are rounded to 16 bits after it
+    (fp32 inputs keep exact products; on the GPU the fp32 tests above check their accuracy)."""
+    from flash_dma.ops.gated_delta_rule.interface import _inverse_precision
+    assert _inverse_precision(torch.float32) == "ieee"
+    assert _inverse_precision(torch.bfloat16) == "tf32"
+    assert _inverse_precision(torch.float16) == "tf32"
+
+
 def test_gradients_repeat():
     """Two backward passes over the same inputs agree (bit equality is not required)."""
     dtype = DTYPES[-1]
