@@ -1,8 +1,9 @@
 """Launch configurations of the gated delta rule kernels.
 
-Chosen from the tuning cache (a sweep on this GPU, bench/tune_gdn.py), else from defaults measured
-on Hopper, keyed by kernel and padded head dims. In the interpreter small tiles make small test
-shapes cross tile boundaries.
+Chosen from the tuning cache (an entry stored under gdn/<kernel>/K<k>/V<v>/<GPU name> with
+flash_dma.tuning_cache.store, e.g. after a sweep on this GPU), else from defaults measured on Hopper
+(the sweeps are logged in bench/results/s5-ab-*.txt and s8-probes-*.txt), keyed by kernel and
+padded head dims. In the interpreter small tiles make small test shapes cross tile boundaries.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
     return GdnConfig(kp, width, num_warps=8, num_stages=stages)
 
 
-# Set by sweeps (bench/tune_gdn.py): kernel -> config, ahead of everything else.
+# Set by sweep scripts (kernel -> config), ahead of everything else, the tuning cache included.
 OVERRIDES: dict[str, GdnConfig] = {}
 
 
