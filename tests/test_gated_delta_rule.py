@@ -153,6 +153,19 @@ def test_against_reference(shape):
     check_against_reference(inputs, dtype, output_final_state=states)
 
 
+@pytest.mark.parametrize("from_inverse", [True, False], ids=["wu-from-T", "wu-recomputed"])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if "kept-T" in s])
+def test_both_ways_of_forming_w_and_u(shape, from_inverse, monkeypatch):
+    """Where T is kept, the forward's state pass forms w and u from it, or a kernel writes them
+    first: both must match the reference whichever the launch rule picks on this machine."""
+    from flash_dma.ops.gated_delta_rule import interface
+    monkeypatch.setattr(interface, "STATES_FROM_INVERSE", from_inverse)
+    B, T, H, HV, K, V, gate, states = SHAPES[shape]
+    dtype = DTYPES[-1]
+    check_against_reference(make_inputs(B, T, H, HV, K, V, dtype, gate, states), dtype,
+                            output_final_state=states)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_dtype(dtype):
     inputs = make_inputs(1, 67, 1, 1, 16, 16, dtype, "g", True)
@@ -478,6 +491,23 @@ GPU_SHAPES = {  # (B, T, H, HV, K, V, gate, states)
 def test_gpu_real_sizes(shape, dtype):
     if dtype != torch.bfloat16 and shape != "h4-128":
         pytest.skip("fp16 at one real size only")
+    B, T, H, HV, K, V, gate, states = GPU_SHAPES[shape]
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states)
+    check_against_reference(inputs, dtype, real_size=True, output_final_state=states)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("from_inverse", [True, False], ids=["wu-from-T", "wu-recomputed"])
+@pytest.mark.parametrize("shape", ["h16-128", "K256-V256", "gva-128", "no-gate-gva-K64-V128", "varlen"])
+def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse, monkeypatch):
+    from flash_dma.ops.gated_delta_rule import interface
+    monkeypatch.setattr(interface, "STATES_FROM_INVERSE", from_inverse)
+    dtype = torch.bfloat16
+    if shape == "varlen":
+        lengths = [1, 64, 0, 1000, 2500, 31, 500]
+        inputs = make_inputs(1, sum(lengths), 4, 8, 128, 128, dtype, "g", True, n_seqs=len(lengths))
+        check_against_reference(inputs, dtype, real_size=True, cu_seqlens=cu_from_lengths(lengths))
+        return
     B, T, H, HV, K, V, gate, states = GPU_SHAPES[shape]
     inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states)
     check_against_reference(inputs, dtype, real_size=True, output_final_state=states)

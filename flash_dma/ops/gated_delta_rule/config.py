@@ -104,3 +104,16 @@ def _select_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_
         # memory read (K = 48, V = 32), on the H200 with Triton 3.6: 64 wide, masked beyond V
         cfg = GdnConfig(cfg.block_k, 64, cfg.num_warps, cfg.num_stages)
     return cfg
+
+
+def forward_states_from_inverse(K: int, sequences_x_heads: int, device: torch.device) -> bool:
+    """Whether the forward's state pass forms w and u from T (one more dependent product per chunk,
+    which costs where few programs run) instead of reading them from the recompute kernel (bytes,
+    which cost where the GPU is full). Forward ms, recompute -> from T, H200 bf16 2026-11-21
+    (bench/results/s9-probes-H200-20261121.txt): B8 T4096 H32 1.408 -> 1.146, B4 T4096 H16
+    0.393 -> 0.364, B2 T8192 H8 K256 0.627 -> 0.585, 32 pairs at K128 0.220 -> 0.213 and
+    0.428 -> 0.423; 16 pairs at K128 0.280 -> 0.299 and 1.060 -> 1.128. The recompute's bytes grow
+    with K, hence pairs x K."""
+    if device.type != "cuda" or interpreter_active():
+        return True
+    return sequences_x_heads * K >= 32 * 128

@@ -1,6 +1,7 @@
 """Chunked gated delta rule: argument checks, launches and autograd.
 
-Forward: prepare (gates, WY representation) -> states -> output. The backward keeps what FLA keeps
+Forward: prepare (gates, WY representation) -> states -> output; where the GPU is full the
+state pass forms the WY products from T itself. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
 recomputes w, u and the states, then runs the state-gradient pass (`chunk_gated_delta_rule_bwd_dhu`,
 public) and the chunk-parallel gradient kernels.
@@ -243,22 +244,42 @@ def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout):
     return w, u
 
 
-def _states(k, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
+# None: gdn_config.forward_states_from_inverse decides; True/False force it (tests, A/B scripts).
+STATES_FROM_INVERSE: bool | None = None
+
+
+def _forward_states_from_inverse(layout: ChunkLayout, HV: int, K: int, device) -> bool:
+    """Whether the forward's state pass forms w and u from T itself (no recompute kernel, no w or
+    u in memory). Only where T is kept (_backward_reuses_inverse). The backward keeps the
+    recompute kernel: its bwd_dhu reads w, and neither forming w there (one more dependent product
+    per chunk: 690 -> 1418 us at B8 T4096 H32) nor writing it from the state pass measured better."""
+    if STATES_FROM_INVERSE is not None:
+        return STATES_FROM_INVERSE
+    return gdn_config.forward_states_from_inverse(K, layout.num_seqs * HV, device)
+
+
+def _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
+    """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta."""
     B, T, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
+    HV, V = v.shape[2], v.shape[3]
     dev = k.device
+    from_inverse = w is None
+    if from_inverse:
+        w = u = k  # not read
+    else:
+        ai = beta = k  # not read
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
-    v_new = torch.empty_like(u)
+    v_new = torch.empty_like(v)
     final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
     cfg = gdn_config.select("fwd_h", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
     grid = (ceil_div(V, cfg.block_v), layout.num_seqs * HV)
     launch(gdn_fwd_h_kernel, grid,
-        k, w, u, g_cum if g_cum is not None else w, gk_cum if gk_cum is not None else w,
-        initial_state if initial_state is not None else w, h, v_new, final if store_final else w,
+        k, w, u, v, beta, ai, g_cum if g_cum is not None else k, gk_cum if gk_cum is not None else k,
+        initial_state if initial_state is not None else k, h, v_new, final if store_final else k,
         cu, offsets, T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v,
         HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=initial_state is not None,
-        STORE_HT=store_final, IS_VARLEN=layout.is_varlen,
+        STORE_HT=store_final, WU_FROM_T=from_inverse, IS_VARLEN=layout.is_varlen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return h, v_new, final
 
@@ -321,7 +342,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     else:
         gk_cum = aqk = None
         w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
-    h, v_new, _ = _states(k, w, u, g_cum, gk_cum, initial_state, layout, store_final=False)
+    h, v_new, _ = _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout, store_final=False)
     dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
     dh, dh0, dv2 = _bwd_dhu(q, k, w, do, dv_local, g_cum, gk_cum, dht, initial_state is not None,
                             scale, layout, gate_qk=True)
@@ -393,9 +414,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         split = keep_t and SPLIT_PREPARE
         g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout,
                                                 store_wu=not split)
-        if split:
+        if split and not _forward_states_from_inverse(layout, v.shape[2], k.shape[3], q.device):
             w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
-        h, v_new, final = _states(k, w, u, g_cum, gk_cum, initial_state, layout, output_final_state)
+        h, v_new, final = _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout,
+                                  output_final_state)
         del w, u
         o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
         # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk

@@ -490,13 +490,19 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk_offsets, T,
+def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr,
                      HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
-                     STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                     STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr):
     """One program per (V tile, sequence, head): the states h[c] at each chunk start and
-    v_new = u - w h[c], chunk after chunk. BK covers all of K."""
+    v_new = u - w h[c], chunk after chunk. BK covers all of K.
+    With WU_FROM_T (scalar gate or none) w and u are not read: from the chunk's T,
+        v_new = T diag(beta) (v - diag(e^g) k h[c])
+    (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
+    reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
+    dependent product to every chunk's chain: it pays where the GPU is full, not where few
+    programs run (gdn_config.wu_in_sequential_passes)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
@@ -506,12 +512,21 @@ def gdn_fwd_h_kernel(k, w, u, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk
         n_valid = tl.minimum(seq_len - c * 64, 64).to(tl.int32)
         ptrs, mask = _state_ptrs(h, chunk0 + c, hv, HV, K, V, krows, vcols)
         tl.store(ptrs, state.to(h.dtype.element_ty), mask=mask)
-        wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
-        vn = _load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
-        _store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
         kt = _load_tile(k, tok0, rows, H, head, K, krows, n_valid)
         if HAS_G:
             bt = _load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+        if WU_FROM_T:
+            tmat, beta_t = _chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
+            kh = tl.dot(kt, state.to(kt.dtype))
+            if HAS_G:
+                kh = kh * tl.exp(bt)[:, None]
+            vt = _load_tile(v, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32)
+            vn = tl.dot(tmat.to(kt.dtype), ((vt - kh) * beta_t[:, None]).to(kt.dtype))
+        else:
+            wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+            vn = _load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
+        _store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
+        if HAS_G:
             b_last = _load_last(g_cum, tok0, HV, hv, n_valid)
             vn = vn * tl.exp(b_last - bt)[:, None]
             state = state * tl.exp(b_last)
