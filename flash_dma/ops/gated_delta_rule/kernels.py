@@ -809,8 +809,15 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         bt, _b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
         kb = (k_t * tl.exp(bt) * beta_t[:, None]).to(kdt)
         d_t += tl.dot(dw_t, tl.trans(kb))
-        if not HAS_GK:
-            kkt += tl.dot(k_t, tl.trans(k_t))
+    if not HAS_GK:
+        # K K^T in a loop of its own, each operand from its own load: as `k_t @ k_t^T` inside the
+        # loop above (one tile as both operands beside its other uses), Triton 3.6's pipeline on
+        # Hopper let dbeta and dg change from run to run (errors 1.6e-2 -> 4e-3 against fp64 at
+        # B1 T4096 H4 bf16 once separated; bench/results/s9-probes-H200-20261121.txt).
+        for k_start in range(0, K, BK):
+            kcols = k_start + tl.arange(0, BK)
+            k_rows = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
+            kkt += tl.dot(k_rows, tl.trans(_load_tile(k, tok0, rows, H, head, K, kcols, n_valid)))
     # dA = -T^T dT T^T on the strict lower triangle
     d_a = -tl.dot(tl.dot(tl.trans(tmat), d_t), tl.trans(tmat))
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
