@@ -25,13 +25,14 @@ class GdnConfig:
 
 
 # Kernels whose K tile must cover all of K (they hold a [K, BV] state or a full query tile).
-_FULL_K = ("fwd_h", "bwd_dhu", "intra")
+_FULL_K = ("fwd_h", "fwd_h_from_t", "bwd_dhu", "intra")
+_SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
 
 
 def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     """Measured on an H200 (2026-11-21, bench notes): the sequential passes are latency-bound, so
     narrow V tiles (more programs in flight) with a deep load pipeline win."""
-    if kernel in ("fwd_h", "bwd_dhu"):
+    if kernel in _SEQUENTIAL:
         return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
@@ -63,8 +64,12 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
     for width in (16, 32):
         if width < vp and pairs * (vp // width) <= sm_count:
             return GdnConfig(kp, width, num_warps=4, num_stages=stages)
+    if kernel == "fwd_h_from_t" and 32 < vp and pairs * (vp // 32) <= 2 * sm_count:
+        # the state pass that forms w, u from T (one more product per chunk) kept 32-wide tiles
+        # up to two waves: B4 T4096 H16 152 us against 198 at 64 wide / 8 warps (H200, s9 probes)
+        return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
     width = min(vp, 64)
-    if kernel == "fwd_h" and pairs * (vp // width) > sm_count:
+    if kernel in ("fwd_h", "fwd_h_from_t") and pairs * (vp // width) > sm_count:
         return GdnConfig(kp, width, num_warps=4, num_stages=2)
     return GdnConfig(kp, width, num_warps=8, num_stages=stages)
 
@@ -98,7 +103,7 @@ def _select_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_
         # Partly masked 64-wide tiles: the tuned configurations above crashed on Triton 3.6 /
         # Hopper (an illegal address at K = 48, V = 32); these passed every GPU test.
         cfg = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
-    if kernel in ("fwd_h", "bwd_dhu") and sequences_x_heads:
+    if kernel in _SEQUENTIAL and sequences_x_heads:
         cfg = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count)
     if kernel == "intra":  # V tiles of 16 gave wrong outputs, and of 32 an out-of-bounds shared
         # memory read (K = 48, V = 32), on the H200 with Triton 3.6: 64 wide, masked beyond V

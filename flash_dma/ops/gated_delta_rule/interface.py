@@ -271,7 +271,7 @@ def _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout: ChunkLay
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
     v_new = torch.empty_like(v)
     final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
-    cfg = gdn_config.select("fwd_h", K, V, dev, layout.num_seqs * HV)
+    cfg = gdn_config.select("fwd_h_from_t" if from_inverse else "fwd_h", K, V, dev, layout.num_seqs * HV)
     cu, offsets = _seq_args(layout, dev)
     grid = (ceil_div(V, cfg.block_v), layout.num_seqs * HV)
     launch(gdn_fwd_h_kernel, grid,
