@@ -150,7 +150,8 @@ def test_dhu_bytes_match_the_anchor_floor():
 
 
 def test_op_plan_covers_the_issue():
-    shapes = {(c.B, c.T, c.H, c.K, c.V) for c in gdn.op_plan(quick=False) if not c.states}
+    shapes = {(c.B, c.T, c.H, c.K, c.V) for c in gdn.op_plan(quick=False)
+              if not c.states and not c.per_key_gate}
     assert shapes == {(4, 4096, 16, 128, 128), (1, 8192, 16, 128, 128), (1, 32768, 16, 128, 128),
                       (8, 4096, 32, 128, 128), (2, 8192, 8, 256, 256)}
     assert len(gdn.op_plan(quick=True)) >= 1
@@ -254,10 +255,13 @@ def _fake_fla(reference_units_log2=True):
         kw = {k: v for k, v in kw.items() if k not in ("chunk_indices", "chunk_offsets")}
         return gdn.dhu_reference(**gdn.scale_gates(kw, 1 / gdn.RCP_LN2 if reference_units_log2 else 1.0))
 
-    def op(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
+    def op(q, k, v, g, beta, initial_state=None, output_final_state=False, gk=None, **_):
         return gdn.recurrence_reference(q, k, v, g, beta, initial_state=initial_state,
-                                        output_final_state=output_final_state)
-    return SimpleNamespace(op=op, dhu=dhu, chunk_indices=lambda cu, c: None,
+                                        output_final_state=output_final_state, gk=gk)
+
+    def kda(q, k, v, g, beta, **kwargs):  # FLA's chunk_kda: the gate argument is per key
+        return op(q, k, v, None, beta, gk=g, **kwargs)
+    return SimpleNamespace(op=op, kda=kda, dhu=dhu, chunk_indices=lambda cu, c: None,
                            chunk_offsets=lambda cu, c: None, version="fake")
 
 
@@ -316,7 +320,8 @@ def test_dhu_sections_with_a_peer_format_and_round_trip(monkeypatch, tmp_path):
 
 def test_op_section_with_and_without_a_peer(monkeypatch):
     monkeypatch.setattr(gdn, "op_plan", lambda quick: [gdn.OpCase(1, 20, 2, 8, 8),
-                                                       gdn.OpCase(1, 20, 2, 8, 8, states=True)])
+                                                       gdn.OpCase(1, 20, 2, 8, 8, states=True),
+                                                       gdn.OpCase(1, 20, 2, 8, 8, per_key_gate=True)])
     ours = _fake_fla().op
     monkeypatch.setattr(gdn, "load_ours", lambda name, notes: ours)
     monkeypatch.setattr(gdn, "_FLA", _fake_fla())
@@ -324,6 +329,7 @@ def test_op_section_with_and_without_a_peer(monkeypatch):
     assert [r.config for r in sec.rows[:3]] == ["B1 T20 H2 K8 V8 fwd", "B1 T20 H2 K8 V8 bwd",
                                                 "B1 T20 H2 K8 V8 fwd+bwd"]
     assert sec.rows[3].config.endswith("h0+ht fwd")
+    assert sec.rows[6].config == "B1 T20 H2 K8 V8 KDA fwd"
     assert all(r.speedup == 1.0 and r.max_abs == 0.0 for r in sec.rows)
     assert any(n.startswith("op bwd: geometric mean") for n in notes)
     assert any(n.startswith("op first calls") for n in notes)

@@ -142,23 +142,26 @@ class OpCase:
     K: int = 128
     V: int = 128
     states: bool = False  # initial_state given and output_final_state=True
+    per_key_gate: bool = False  # Kimi Delta Attention: gk [B, T, H, K] instead of g (FLA's chunk_kda)
 
     @property
     def label(self) -> str:
         dims = "" if (self.K, self.V) == (128, 128) else f" K{self.K} V{self.V}"
-        return f"B{self.B} T{self.T} H{self.H}{dims}{' h0+ht' if self.states else ''}"
+        return (f"B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
+                f"{' h0+ht' if self.states else ''}")
 
     @property
     def family(self) -> tuple:
-        """What FLA's autotuning keys on (heads, head dims): a new family autotunes again."""
-        return (self.H, self.K, self.V)
+        """What FLA's autotuning keys on (heads, head dims, its op): a new family autotunes again."""
+        return (self.H, self.K, self.V, self.per_key_gate)
 
 
 def op_plan(quick: bool) -> list[OpCase]:
     if quick:
         return [OpCase(1, 8192, 16)]
     return [OpCase(4, 4096, 16), OpCase(1, 8192, 16), OpCase(1, 32768, 16), OpCase(8, 4096, 32),
-            OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True)]
+            OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True),
+            OpCase(2, 4096, 16, per_key_gate=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +316,8 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
     norm = torch.nn.functional.normalize
     x = {"q": norm(randn(B, T, H, K), dim=-1).to(dtype), "k": norm(randn(B, T, H, K), dim=-1).to(dtype),
          "v": randn(B, T, H, V).to(dtype),
-         "g": torch.nn.functional.logsigmoid(randn(B, T, H) + 2),
+         # natural-log decays: per value head, or per key (KDA) with the same spread
+         "g": torch.nn.functional.logsigmoid(randn(*((B, T, H, K) if case.per_key_gate else (B, T, H))) + 2),
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
     x["h0"] = randn(B, H, K, V) * 0.1 if case.states else None
@@ -383,7 +387,12 @@ def load_fla(notes: list[str]) -> SimpleNamespace | None:
                      f"640; Triton here {triton.__version__}): the refusal was lifted to time it "
                      f"(TRITON_ABOVE_3_7_1 = True in {', '.join(sorted(lifted))}); its results are "
                      "compared with ours in the max_abs / max_rel columns")
-    _FLA = SimpleNamespace(op=chunk_gated_delta_rule, dhu=chunk_gated_delta_rule_bwd_dhu,
+    try:  # Kimi Delta Attention (per-key gate): a row of its own where this FLA has it
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # noqa: BLE001 - a missing peer op is a note
+        chunk_kda = None
+        notes.append(f"FLA {version}: no chunk_kda ({type(exc).__name__}: {exc}); the KDA row shows ours only")
+    _FLA = SimpleNamespace(op=chunk_gated_delta_rule, kda=chunk_kda, dhu=chunk_gated_delta_rule_bwd_dhu,
                            chunk_indices=prepare_chunk_indices, chunk_offsets=prepare_chunk_offsets,
                            version=version, notes=notes[first_note:])
     return _FLA
@@ -616,13 +625,23 @@ def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
                     [gr.detach() for gr in grads], first, note)
 
 
+def _with_per_key_gate(op):
+    """Our op called as FLA's chunk_kda is: the gate argument is the per-key gk."""
+    def kda(q, k, v, g, beta, **kwargs):
+        return op(q, k, v, None, beta, gk=g, **kwargs)
+    return kda
+
+
 def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer: Timer | None = None,
                 firsts: dict | None = None) -> list[Row]:
     timer = timer or (lambda fn: time_ms(fn, warmup=25, rep=100))
     x = make_op_inputs(case, device, seed=case.T + case.H + case.B)
     res: dict[str, OpResult | None] = {}
     msgs = []
-    for who, fn in (("ours", ours), (PEER, fla.op if fla is not None else None)):
+    peer_fn = None if fla is None else (getattr(fla, "kda", None) if case.per_key_gate else fla.op)
+    if case.per_key_gate and ours is not None:
+        ours = _with_per_key_gate(ours)
+    for who, fn in (("ours", ours), (PEER, peer_fn)):
         res[who] = None
         if fn is None:
             continue
@@ -664,7 +683,7 @@ def run_op(quick: bool = False, progress_factory=None, device="cuda",
                      "about 75-110 s each on an H200); every case runs once untimed before timing")
     bar = progress_factory(len(plan)) if progress_factory else None
     sec = Section(f"gated delta rule op (chunk_gated_delta_rule), bf16, g fp32, chunk {CHUNK}; "
-                  "grads of q, k, v, g, beta (, h0)")
+                  "grads of q, k, v, g, beta (, h0); KDA rows: per-key gk beside FLA's chunk_kda")
     firsts: dict = {}
     for case in plan:
         sec.rows += run_op_case(case, ours, fla, notes, device, timer, firsts)
