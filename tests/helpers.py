@@ -1,7 +1,8 @@
 import torch
 
-# Relative-error bounds against an fp64 reference (||x - ref|| / ||ref||). bf16 at 1e-2 since the WY-backward race fix
-# (session 9): every GPU test passed there on the H200 (bench/results/gpu-tests-H200-20261121-s9c.log).
+# Relative-error bounds against an fp64 reference (||x - ref|| / ||ref||). bf16 at 1e-2 since the
+# WY-backward race fix (session 9): every GPU test passed there on the H200
+# (bench/results/gpu-tests-H200-20261121-s9c.log).
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 

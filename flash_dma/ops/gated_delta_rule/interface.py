@@ -251,8 +251,9 @@ STATES_FROM_INVERSE: bool | None = None
 def _forward_states_from_inverse(layout: ChunkLayout, HV: int, K: int, device) -> bool:
     """Whether the forward's state pass forms w and u from T itself (no recompute kernel, no w or
     u in memory). Only where T is kept (_backward_reuses_inverse). The backward keeps the
-    recompute kernel: its bwd_dhu reads w, and neither forming w there (one more dependent product
-    per chunk: 690 -> 1418 us at B8 T4096 H32) nor writing it from the state pass measured better."""
+    recompute kernel: its bwd_dhu reads w; forming w there was slower (one more dependent product
+    per chunk: 690 -> 1418 us at B8 T4096 H32), and writing w from the state pass gave wrong results
+    on Triton 3.6 / Hopper (bench/NOTES.md, session 9)."""
     if STATES_FROM_INVERSE is not None:
         return STATES_FROM_INVERSE
     return gdn_config.forward_states_from_inverse(K, layout.num_seqs * HV, device)

@@ -502,7 +502,7 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
     reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
-    programs run (gdn_config.wu_in_sequential_passes)."""
+    programs run (gdn_config.forward_states_from_inverse)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
