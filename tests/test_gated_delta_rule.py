@@ -360,6 +360,15 @@ def test_bwd_dhu(mode, varlen):
     check_dhu(x, dtype, None if mode == "A" else 0.25, cu)
 
 
+@pytest.mark.parametrize("mode", ["B", "E"])
+def test_bwd_dhu_head_dim_256(mode):
+    """K = 256 takes its own form of the state update in the kernel (products accumulated into
+    the state itself)."""
+    dtype = DTYPES[-1]
+    x = dhu_inputs(1, 100, 1, 1, 256, 16, dtype, mode)
+    check_dhu(x, dtype, 0.25)
+
+
 def test_bwd_dhu_after_cu_seqlens_changes_in_place():
     """The chunk layout (and dh's chunk count) is remembered per cu_seqlens tensor: an in-place
     change of the lengths must be seen."""
@@ -534,6 +543,14 @@ def test_gpu_varlen(gate):
     cu = cu_from_lengths(lengths)
     inputs = make_inputs(1, sum(lengths), 4, 8, 128, 128, dtype, gate, True, n_seqs=len(lengths))
     check_against_reference(inputs, dtype, cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpu_bwd_dhu_head_dim_256(mode):
+    dtype = torch.bfloat16
+    x = dhu_inputs(2, 2048, 2 if mode in ("A", "B", "C") else 4, 4, 256, 256, dtype, mode)
+    check_dhu(x, dtype, 256 ** -0.5)
 
 
 @pytest.mark.gpu

@@ -675,7 +675,14 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         _store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
         # scale on do's rows too: do then reaches the MMA from registers in every mode, which
         # measured faster than straight from its load when there is no gate (H200)
-        state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
+        if BK > 128:
+            # both products accumulate into the state itself: as `state += A - B` three [K, BV]
+            # fp32 tiles are live, which spilled at K = 256 (B2 T8192 H8 mode C 0.753 -> 0.387 ms
+            # this way, H200; bench/results/s10-probes-H200-20261121.txt)
+            state = tl.dot(tl.trans(qt), (dot_t * scale).to(dt), acc=state)
+            state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
+        else:  # 1-2% faster up to K = 128 (the same probe)
+            state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
     if STORE_DH0:
         ptrs, mask = _state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)
         tl.store(ptrs, state, mask=mask)
@@ -740,11 +747,11 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
     bt, b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
     dq_t = dqg * tl.exp(bt) * scale
     dk_t = dkl * tl.exp(b_last[None, :] - bt)
-    gate = qt.to(tl.float32) * dq_t - kt.to(tl.float32) * dk_t
-    # B_last: from the kept part of every k (sum of k dk above) and from e^(B_last) h[c]
+    # B_last: from the kept part of every k (sum of k dk here) and from e^(B_last) h[c]
     last_extra = tl.sum(kt.to(tl.float32) * dk_t, axis=0) + tl.exp(b_last) * dlast
-    gate += tl.where((rows == n_valid - 1)[:, None], last_extra[None, :], 0.0)
     if HAS_GK:
+        gate = qt.to(tl.float32) * dq_t - kt.to(tl.float32) * dk_t
+        gate += tl.where((rows == n_valid - 1)[:, None], last_extra[None, :], 0.0)
         if k_tile == 0:
             dp_ptrs, dp_mask = _square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
             tl.store(dp_ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=dp_mask)
@@ -757,13 +764,15 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
             pg = dpa * _scalar_gamma(b_row, b_row, True) * scale
         else:
             pg = tl.where(rows[:, None] >= rows[None, :], dpa * scale, 0.0)
-        gate_rows = tl.sum(gate, axis=1)
-        dq_p = tl.dot(pg.to(kt.dtype), kt)
-        gate_rows += tl.sum(qt.to(tl.float32) * dq_p, axis=1)
-        _store_tile(dq, dq_t + dq_p, tok0, rows, HV, hv, K, kcols, n_valid)
-        dk_p = tl.dot(tl.trans(pg).to(qt.dtype), qt)
-        gate_rows -= tl.sum(kt.to(tl.float32) * dk_p, axis=1)
-        _store_tile(dk, dk_t + dk_p, tok0, rows, HV, hv, K, kcols, n_valid)
+        # the intra-chunk parts accumulate into dq and dk themselves (one live tile each); the
+        # gate rows are then q . dq - k . dk of the totals
+        dq_t = tl.dot(pg.to(kt.dtype), kt, acc=dq_t)
+        gate_rows = tl.sum(qt.to(tl.float32) * dq_t, axis=1)
+        _store_tile(dq, dq_t, tok0, rows, HV, hv, K, kcols, n_valid)
+        dk_t = tl.dot(tl.trans(pg).to(qt.dtype), qt, acc=dk_t)
+        gate_rows -= tl.sum(kt.to(tl.float32) * dk_t, axis=1)
+        _store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
+        gate_rows += tl.where(rows == n_valid - 1, tl.sum(last_extra, axis=0), 0.0)
         if HAS_G:  # one partial sum over this K tile's keys; the wy kernel adds the tiles
             _store_vec(db + k_tile.to(tl.int64) * db_tile_stride, gate_rows, tok0, rows, HV, hv, n_valid)
 
@@ -834,6 +843,9 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         dbeta_t += tl.sum(d_ag * kkt, axis=1)
     tt_k = tl.trans(tmat).to(kdt)
     gate_t = tl.zeros([64], dtype=tl.float32)
+    if not HAS_GK:
+        x_dab = d_ag * beta_t[:, None]
+        sym_dab = (x_dab + tl.trans(x_dab)).to(kdt)
     for k_start in range(0, K, BK):
         kcols = k_start + tl.arange(0, BK)
         k_t = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
@@ -848,8 +860,8 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
             db_ptrs, db_mask = _tile_ptrs(db, tok0, rows, HV, hv, K, kcols, n_valid)
             tl.store(db_ptrs, tl.load(db_ptrs, mask=db_mask, other=0.0) + gate_w, mask=db_mask)
         else:
-            dk_t += (beta_t[:, None] * tl.dot(d_ag.to(kdt), k_t)
-                     + tl.dot(tl.trans(d_ag * beta_t[:, None]).to(kdt), k_t))
+            # diag(beta) dA k + (dA diag(beta))^T k as one product: (X + X^T) k, X = diag(beta) dA
+            dk_t = tl.dot(sym_dab, k_t, acc=dk_t)
             gate_t += tl.sum(gate_w, axis=1)
         _store_tile(dk_out, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
     _store_vec(dbeta, dbeta_t, tok0, rows, HV, hv, n_valid)
