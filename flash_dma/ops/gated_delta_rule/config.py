@@ -47,6 +47,14 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     if kernel == "prepare_t":  # T only, tf32 products: one warp per chunk (B8 T4096 H32: 170 us,
         # two warps 275, four 540; bench/results/s8-probes-H200-20261121.txt)
         return GdnConfig(64, min(vp, 64), num_warps=1, num_stages=3)
+    if kernel == "prepare_gk":  # inverse and w, u only (the products come from gated_pairs): 2
+        # warps (48 bytes of stack) beat 4 (none), 4 / 2 stages and 8 warps (KDA B2 T4096 H16
+        # forward 0.791 ms against 0.826-0.923, H200, bench/results/s10-probes-H200-20261121.txt)
+        return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
+    if kernel == "chunk_cumsum":
+        return GdnConfig(64, 16, num_warps=4, num_stages=1)
+    if kernel == "gated_pairs":  # one 16x16 block per program; the same sweep: 2 warps, 1 stage
+        return GdnConfig(64, 16, num_warps=2, num_stages=1)
     if kernel == "recompute_wu":  # no software pipeline: the fastest in the sweep
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
     if kernel == "bwd_dqkw":  # all of K (up to 128) in one tile: do, v_new, dv2 read once

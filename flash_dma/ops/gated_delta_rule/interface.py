@@ -20,6 +20,8 @@ from ...validation import check_same_device, check_shape, check_tensor
 from . import config as gdn_config
 from .kernels import (
     gdn_bwd_dhu_kernel,
+    gdn_chunk_cumsum_kernel,
+    gdn_gated_pairs_kernel,
     gdn_bwd_dqkw_kernel,
     gdn_bwd_wy_kernel,
     gdn_fwd_h_kernel,
@@ -206,15 +208,29 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
     precision = _inverse_precision(k.dtype)
     # T alone in tf32 is light enough for one warp per chunk; w, u or exact products want two
-    cfg = gdn_config.select("prepare" if store_wu or precision == "ieee" else "prepare_t", K, V, dev)
+    cfg = gdn_config.select("prepare_gk" if has_gk else "prepare" if store_wu or precision == "ieee"
+                            else "prepare_t", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
+    if has_gk:
+        # the gate cumsums and the gated pair products (16 programs per chunk) come first; the
+        # prepare program then only inverts and forms w, u (all in one program it spilled 3.3 KB)
+        scan_cfg = gdn_config.select("chunk_cumsum", K, V, dev)
+        launch(gdn_chunk_cumsum_kernel, (layout.num_slots, B * HV),
+            g if has_g else gk, gk, g_cum if has_g else gk_cum, gk_cum, chunk_map, cu, T,
+            HV=HV, K=K, BK=scan_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
+            num_warps=scan_cfg.num_warps, num_stages=scan_cfg.num_stages)
+        pairs_cfg = gdn_config.select("gated_pairs", K, V, dev)
+        launch(gdn_gated_pairs_kernel, (layout.num_slots, B * HV, 16),
+            q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, chunk_map, cu, T, scale,
+            H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
+            num_warps=pairs_cfg.num_warps, num_stages=pairs_cfg.num_stages)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
         q, k, v, beta, g if has_g else ai, gk if has_gk else ai, g_cum if has_g else ai,
         gk_cum if has_gk else ai, w if store_wu else ai, u if store_wu else ai, ai,
         aqk if has_gk else ai, chunk_map, cu,
         T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
-        IS_VARLEN=layout.is_varlen, STORE_AQK=has_gk, STORE_WU=store_wu,
-        INVERSE_PRECISION=precision,
+        IS_VARLEN=layout.is_varlen, STORE_AQK=False, STORE_WU=store_wu,
+        INVERSE_PRECISION=precision, A_FROM_MEMORY=has_gk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
 

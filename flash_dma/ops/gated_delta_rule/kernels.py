@@ -290,17 +290,90 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
+def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, chunk_map, cu_seqlens, T,
+                            HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk-local cumulative sums of the scalar and per-key log decays (fp32), one program per
+    (chunk, value head)."""
+    hv, _head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, HV, HV, IS_VARLEN)
+    rows = tl.arange(0, 64)
+    if HAS_G:
+        gt = _load_vec(g, tok0, rows, HV, hv, n_valid).to(tl.float32)
+        _store_vec(g_cum, tl.cumsum(gt, 0), tok0, rows, HV, hv, n_valid)
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        gkt = _load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32)
+        _store_tile(gk_cum, tl.cumsum(gkt, 0), tok0, rows, HV, hv, K, cols, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlens, T, scale,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With the per-key gate: one 16x16 block (I, J) of a chunk's gated pair products per program
+    (grid axis 2: I * 4 + J), with B the total per-key log decay,
+        A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
+        Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
+    factorised around a reference row r as in the module docstring. Blocks above the diagonal of
+    Aqk are written as zeros. gdn_prepare_kernel (A_FROM_MEMORY) takes A_raw on from here: 16
+    small programs per chunk instead of all products in the prepare program, which spilled."""
+    block = tl.program_id(2)
+    bi = block // 4
+    bj = block % 4
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    sub = tl.arange(0, 16)
+    rows_i = bi * 16 + sub
+    rows_j = bj * 16 + sub
+    sq_ptrs, sq_mask = _square_ptrs(aqk, tok0, rows_i, HV, hv, rows_j, n_valid)
+    if bj > bi:
+        tl.store(sq_ptrs, tl.zeros([16, 16], dtype=tl.float32), mask=sq_mask)
+    else:
+        # below the diagonal the first row of block I, on it its middle row (at most the last
+        # valid row: rows past it carry no data)
+        ref_row = tl.maximum(tl.minimum(tl.where(bi == bj, bi * 16 + 8, bi * 16), n_valid - 1), 0)
+        valid_i = (rows_i < n_valid)[:, None]
+        valid_j = (rows_j < n_valid)[:, None]
+        acc_a = tl.zeros([16, 16], dtype=tl.float32)
+        acc_p = tl.zeros([16, 16], dtype=tl.float32)
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            gate_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
+            gate_j = _load_tile(gk_cum, tok0, rows_j, HV, hv, K, cols, n_valid)
+            ref = _load_last_row(gk_cum, tok0 + ref_row, HV, hv, K, cols)
+            if HAS_G:
+                gate_i += _load_vec(g_cum, tok0, rows_i, HV, hv, n_valid)[:, None]
+                gate_j += _load_vec(g_cum, tok0, rows_j, HV, hv, n_valid)[:, None]
+                ref += tl.load(g_cum + (tok0 + ref_row) * HV + hv)
+            # rows past the chunk's end get a factor of 0, never e^(large) times a masked 0
+            left = tl.exp(tl.where(valid_i, gate_i - ref[None, :], float("-inf")))
+            right = (_load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+                     * tl.exp(tl.where(valid_j, ref[None, :] - gate_j, float("-inf"))))
+            ki = _load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+            qi = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+            acc_a += tl.dot(ki, tl.trans(right))
+            acc_p += tl.dot(qi, tl.trans(right))
+        off_diag = bi != bj
+        a_keep = (sub[:, None] > sub[None, :]) | off_diag
+        p_keep = (sub[:, None] >= sub[None, :]) | off_diag
+        tl.store(sq_ptrs, tl.where(p_keep, acc_p * scale, 0.0), mask=sq_mask)
+        a_ptrs, a_mask = _square_ptrs(a_raw, tok0, rows_i, HV, hv, rows_j, n_valid)
+        tl.store(a_ptrs, tl.where(a_keep, acc_a, 0.0), mask=a_mask)
+
+
+@triton.jit(do_not_specialize=["T"])
 def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk_map, cu_seqlens,
                        T, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
                        STORE_AQK: tl.constexpr, STORE_WU: tl.constexpr,
-                       INVERSE_PRECISION: tl.constexpr):
+                       INVERSE_PRECISION: tl.constexpr, A_FROM_MEMORY: tl.constexpr = False):
     """Per chunk: gate cumsums, T = (I + A)^-1 (stored), with gk the gated query-key products,
     and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
     gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
-    INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32")."""
+    INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
+    A_FROM_MEMORY (with gk): the gate cumsums and the gated key products A_raw (in `ai`) come from
+    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel; phase 1 only loads them."""
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
@@ -308,7 +381,12 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     beta1 = _load_vec(beta, tok0, r1, HV, hv, n_valid)
     beta2 = _load_vec(beta, tok0, r2, HV, hv, n_valid)
     beta3 = _load_vec(beta, tok0, r3, HV, hv, n_valid)
-    if HAS_G:
+    if HAS_G and A_FROM_MEMORY:
+        b0 = _load_vec(g_cum, tok0, r0, HV, hv, n_valid)
+        b1 = _load_vec(g_cum, tok0, r1, HV, hv, n_valid)
+        b2 = _load_vec(g_cum, tok0, r2, HV, hv, n_valid)
+        b3 = _load_vec(g_cum, tok0, r3, HV, hv, n_valid)
+    elif HAS_G:
         b0, b1, b2, b3 = _cum_blocks(_load_vec(g, tok0, r0, HV, hv, n_valid),
                                      _load_vec(g, tok0, r1, HV, hv, n_valid),
                                      _load_vec(g, tok0, r2, HV, hv, n_valid),
@@ -325,49 +403,61 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     a00 = tl.zeros([16, 16], dtype=tl.float32)
     a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
     p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = a00, a00, a00, a00, a00, a00, a00, a00, a00, a00
-    for k_start in range(0, K, BK):
-        cols = k_start + tl.arange(0, BK)
-        k0 = _load_tile(k, tok0, r0, H, head, K, cols, n_valid)
-        k1 = _load_tile(k, tok0, r1, H, head, K, cols, n_valid)
-        k2 = _load_tile(k, tok0, r2, H, head, K, cols, n_valid)
-        k3 = _load_tile(k, tok0, r3, H, head, K, cols, n_valid)
-        if HAS_GK:
-            c0, c1, c2, c3, B0, B1, B2, B3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
-                                                              b0, b1, b2, b3)
-            _store_tile(gk_cum, c0, tok0, r0, HV, hv, K, cols, n_valid)
-            _store_tile(gk_cum, c1, tok0, r1, HV, hv, K, cols, n_valid)
-            _store_tile(gk_cum, c2, tok0, r2, HV, hv, K, cols, n_valid)
-            _store_tile(gk_cum, c3, tok0, r3, HV, hv, K, cols, n_valid)
-            f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
-            m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
-        else:
-            B0, B1, B2, B3 = k0, k1, k2, k3  # unused placeholders
-            f1, f2, f3, m0, m1, m2, m3 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        a00 += _pair_product(k0, B0, k0, B0, m0, HAS_GK)
-        a10 += _pair_product(k1, B1, k0, B0, f1, HAS_GK)
-        a11 += _pair_product(k1, B1, k1, B1, m1, HAS_GK)
-        a20 += _pair_product(k2, B2, k0, B0, f2, HAS_GK)
-        a21 += _pair_product(k2, B2, k1, B1, f2, HAS_GK)
-        a22 += _pair_product(k2, B2, k2, B2, m2, HAS_GK)
-        a30 += _pair_product(k3, B3, k0, B0, f3, HAS_GK)
-        a31 += _pair_product(k3, B3, k1, B1, f3, HAS_GK)
-        a32 += _pair_product(k3, B3, k2, B2, f3, HAS_GK)
-        a33 += _pair_product(k3, B3, k3, B3, m3, HAS_GK)
-        if STORE_AQK:  # only with gk: the output kernels read the gated query-key products
-            q0 = _load_tile(q, tok0, r0, H, head, K, cols, n_valid)
-            q1 = _load_tile(q, tok0, r1, H, head, K, cols, n_valid)
-            q2 = _load_tile(q, tok0, r2, H, head, K, cols, n_valid)
-            q3 = _load_tile(q, tok0, r3, H, head, K, cols, n_valid)
-            p00 += _pair_product(q0, B0, k0, B0, m0, HAS_GK)
-            p10 += _pair_product(q1, B1, k0, B0, f1, HAS_GK)
-            p11 += _pair_product(q1, B1, k1, B1, m1, HAS_GK)
-            p20 += _pair_product(q2, B2, k0, B0, f2, HAS_GK)
-            p21 += _pair_product(q2, B2, k1, B1, f2, HAS_GK)
-            p22 += _pair_product(q2, B2, k2, B2, m2, HAS_GK)
-            p30 += _pair_product(q3, B3, k0, B0, f3, HAS_GK)
-            p31 += _pair_product(q3, B3, k1, B1, f3, HAS_GK)
-            p32 += _pair_product(q3, B3, k2, B2, f3, HAS_GK)
-            p33 += _pair_product(q3, B3, k3, B3, m3, HAS_GK)
+    if A_FROM_MEMORY:
+        a00 = _load_square_block(ai, tok0, 0, 0, HV, hv, n_valid)
+        a10 = _load_square_block(ai, tok0, 1, 0, HV, hv, n_valid)
+        a11 = _load_square_block(ai, tok0, 1, 1, HV, hv, n_valid)
+        a20 = _load_square_block(ai, tok0, 2, 0, HV, hv, n_valid)
+        a21 = _load_square_block(ai, tok0, 2, 1, HV, hv, n_valid)
+        a22 = _load_square_block(ai, tok0, 2, 2, HV, hv, n_valid)
+        a30 = _load_square_block(ai, tok0, 3, 0, HV, hv, n_valid)
+        a31 = _load_square_block(ai, tok0, 3, 1, HV, hv, n_valid)
+        a32 = _load_square_block(ai, tok0, 3, 2, HV, hv, n_valid)
+        a33 = _load_square_block(ai, tok0, 3, 3, HV, hv, n_valid)
+    else:
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            k0 = _load_tile(k, tok0, r0, H, head, K, cols, n_valid)
+            k1 = _load_tile(k, tok0, r1, H, head, K, cols, n_valid)
+            k2 = _load_tile(k, tok0, r2, H, head, K, cols, n_valid)
+            k3 = _load_tile(k, tok0, r3, H, head, K, cols, n_valid)
+            if HAS_GK:
+                c0, c1, c2, c3, B0, B1, B2, B3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
+                                                                  b0, b1, b2, b3)
+                _store_tile(gk_cum, c0, tok0, r0, HV, hv, K, cols, n_valid)
+                _store_tile(gk_cum, c1, tok0, r1, HV, hv, K, cols, n_valid)
+                _store_tile(gk_cum, c2, tok0, r2, HV, hv, K, cols, n_valid)
+                _store_tile(gk_cum, c3, tok0, r3, HV, hv, K, cols, n_valid)
+                f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
+                m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
+            else:
+                B0, B1, B2, B3 = k0, k1, k2, k3  # unused placeholders
+                f1, f2, f3, m0, m1, m2, m3 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            a00 += _pair_product(k0, B0, k0, B0, m0, HAS_GK)
+            a10 += _pair_product(k1, B1, k0, B0, f1, HAS_GK)
+            a11 += _pair_product(k1, B1, k1, B1, m1, HAS_GK)
+            a20 += _pair_product(k2, B2, k0, B0, f2, HAS_GK)
+            a21 += _pair_product(k2, B2, k1, B1, f2, HAS_GK)
+            a22 += _pair_product(k2, B2, k2, B2, m2, HAS_GK)
+            a30 += _pair_product(k3, B3, k0, B0, f3, HAS_GK)
+            a31 += _pair_product(k3, B3, k1, B1, f3, HAS_GK)
+            a32 += _pair_product(k3, B3, k2, B2, f3, HAS_GK)
+            a33 += _pair_product(k3, B3, k3, B3, m3, HAS_GK)
+            if STORE_AQK:  # only with gk: the output kernels read the gated query-key products
+                q0 = _load_tile(q, tok0, r0, H, head, K, cols, n_valid)
+                q1 = _load_tile(q, tok0, r1, H, head, K, cols, n_valid)
+                q2 = _load_tile(q, tok0, r2, H, head, K, cols, n_valid)
+                q3 = _load_tile(q, tok0, r3, H, head, K, cols, n_valid)
+                p00 += _pair_product(q0, B0, k0, B0, m0, HAS_GK)
+                p10 += _pair_product(q1, B1, k0, B0, f1, HAS_GK)
+                p11 += _pair_product(q1, B1, k1, B1, m1, HAS_GK)
+                p20 += _pair_product(q2, B2, k0, B0, f2, HAS_GK)
+                p21 += _pair_product(q2, B2, k1, B1, f2, HAS_GK)
+                p22 += _pair_product(q2, B2, k2, B2, m2, HAS_GK)
+                p30 += _pair_product(q3, B3, k0, B0, f3, HAS_GK)
+                p31 += _pair_product(q3, B3, k1, B1, f3, HAS_GK)
+                p32 += _pair_product(q3, B3, k2, B2, f3, HAS_GK)
+                p33 += _pair_product(q3, B3, k3, B3, m3, HAS_GK)
 
     if STORE_AQK:
         inc = (sub[:, None] >= sub[None, :]).to(tl.float32)  # diagonal blocks: lower triangle
@@ -420,7 +510,12 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
-            if HAS_GK:
+            if HAS_GK and A_FROM_MEMORY:
+                e0 = tl.exp(_load_tile(gk_cum, tok0, r0, HV, hv, K, cols, n_valid) + b0[:, None])
+                e1 = tl.exp(_load_tile(gk_cum, tok0, r1, HV, hv, K, cols, n_valid) + b1[:, None])
+                e2 = tl.exp(_load_tile(gk_cum, tok0, r2, HV, hv, K, cols, n_valid) + b2[:, None])
+                e3 = tl.exp(_load_tile(gk_cum, tok0, r3, HV, hv, K, cols, n_valid) + b3[:, None])
+            elif HAS_GK:
                 _c0, _c1, _c2, _c3, e0, e1, e2, e3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
                                                                       b0, b1, b2, b3)
                 e0, e1, e2, e3 = tl.exp(e0), tl.exp(e1), tl.exp(e2), tl.exp(e3)
