@@ -225,12 +225,10 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
             H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
             num_warps=pairs_cfg.num_warps, num_stages=pairs_cfg.num_stages)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
-        q, k, v, beta, g if has_g else ai, gk if has_gk else ai, g_cum if has_g else ai,
-        gk_cum if has_gk else ai, w if store_wu else ai, u if store_wu else ai, ai,
-        aqk if has_gk else ai, chunk_map, cu,
-        T, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
-        IS_VARLEN=layout.is_varlen, STORE_AQK=False, STORE_WU=store_wu,
-        INVERSE_PRECISION=precision, A_FROM_MEMORY=has_gk,
+        k, v, beta, g if has_g else ai, g_cum if has_g else ai, gk_cum if has_gk else ai,
+        w if store_wu else ai, u if store_wu else ai, ai, chunk_map, cu,
+        T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
+        IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, w, u, ai, aqk
 

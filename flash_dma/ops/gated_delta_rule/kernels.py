@@ -4,9 +4,11 @@ Chunks are 64 tokens. Inside a chunk the gates are used as chunk-local cumulativ
 per-key gate `gk` the total log decay of key channel k at row i is B_i[k] = g_cum_i + gk_cum_i[k].
 
 Forward (interface.py chains them):
+  with gk first        gdn_chunk_cumsum_kernel (gate cumsums) and gdn_gated_pairs_kernel (the gated
+                       key-key and query-key products of the chunk, one 16x16 block per program).
   gdn_prepare_kernel   chunk-parallel: gate cumsums, A = StrictTril(diag(beta) (K K^T . Gamma)),
                        T = (I + A)^-1 in 16-row blocks (stored), w = T diag(beta e^B) K,
-                       u = T diag(beta) V (and, with gk, the gated query-key matrix of the chunk).
+                       u = T diag(beta) V.
   gdn_fwd_h_kernel     sequential over chunks: states h[c] and v_new = u - w h[c].
   gdn_intra_kernel     chunk-parallel: o = scale (q e^B) h[c] + P v_new with P = scale Tril(q k^T . Gamma);
                        the same kernel computes P^T do for the backward.
@@ -221,29 +223,6 @@ def _cum_blocks(x0, x1, x2, x3):
 
 
 @triton.jit
-def _key_gate_blocks(gk, tok0, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid, b0, b1, b2, b3):
-    """Per-key chunk-local cumsums of gk for one key tile, four 16-row blocks, plus the scalar
-    gate's cumsums b (the total per-key log decay B)."""
-    sub = tl.arange(0, 16)
-    c0, c1, c2, c3 = _cum_blocks(_load_tile(gk, tok0, sub, HV, hv, K, cols, n_valid),
-                                 _load_tile(gk, tok0, 16 + sub, HV, hv, K, cols, n_valid),
-                                 _load_tile(gk, tok0, 32 + sub, HV, hv, K, cols, n_valid),
-                                 _load_tile(gk, tok0, 48 + sub, HV, hv, K, cols, n_valid))
-    return c0, c1, c2, c3, c0 + b0[:, None], c1 + b1[:, None], c2 + b2[:, None], c3 + b3[:, None]
-
-
-@triton.jit
-def _pair_product(xi, bi, xj, bj, ref, HAS_GK: tl.constexpr):
-    """sum_k xi[k] xj[k] e^(bi[k] - bj[k]) for two 16-row blocks, factorised around `ref`."""
-    if HAS_GK:
-        left = xi.to(tl.float32) * tl.exp(bi - ref[None, :])
-        right = xj.to(tl.float32) * tl.exp(ref[None, :] - bj)
-        return tl.dot(left, tl.trans(right))
-    else:
-        return tl.dot(xi, tl.trans(xj))
-
-
-@triton.jit
 def _scalar_gamma(bi, bj, INCLUSIVE: tl.constexpr):
     """e^(b_i - b_j) on the (strictly or inclusively) lower triangle of a square block, else 0."""
     n: tl.constexpr = bi.shape[0]
@@ -315,7 +294,7 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
     factorised around a reference row r as in the module docstring. Blocks above the diagonal of
-    Aqk are written as zeros. gdn_prepare_kernel (A_FROM_MEMORY) takes A_raw on from here: 16
+    Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
     small programs per chunk instead of all products in the prepare program, which spilled."""
     block = tl.program_id(2)
     bi = block // 4
@@ -361,19 +340,16 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk_map, cu_seqlens,
-                       T, scale,
+def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu_seqlens, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       STORE_AQK: tl.constexpr, STORE_WU: tl.constexpr,
-                       INVERSE_PRECISION: tl.constexpr, A_FROM_MEMORY: tl.constexpr = False):
-    """Per chunk: gate cumsums, T = (I + A)^-1 (stored), with gk the gated query-key products,
-    and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
+                       STORE_WU: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
+    """Per chunk: the scalar gate's cumsums, T = (I + A)^-1 (stored) and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
     gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
     INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
-    A_FROM_MEMORY (with gk): the gate cumsums and the gated key products A_raw (in `ai`) come from
-    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel; phase 1 only loads them."""
+    With gk the gate cumsums and the gated key products A_raw (in `ai`) come from
+    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel: phase 1 only loads them."""
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
@@ -381,7 +357,7 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
     beta1 = _load_vec(beta, tok0, r1, HV, hv, n_valid)
     beta2 = _load_vec(beta, tok0, r2, HV, hv, n_valid)
     beta3 = _load_vec(beta, tok0, r3, HV, hv, n_valid)
-    if HAS_G and A_FROM_MEMORY:
+    if HAS_G and HAS_GK:
         b0 = _load_vec(g_cum, tok0, r0, HV, hv, n_valid)
         b1 = _load_vec(g_cum, tok0, r1, HV, hv, n_valid)
         b2 = _load_vec(g_cum, tok0, r2, HV, hv, n_valid)
@@ -399,11 +375,8 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         b0 = tl.zeros([16], dtype=tl.float32)
         b1, b2, b3 = b0, b0, b0
 
-    # Phase 1: the pairwise key products of the 10 lower blocks (and query-key ones with gk).
-    a00 = tl.zeros([16, 16], dtype=tl.float32)
-    a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
-    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = a00, a00, a00, a00, a00, a00, a00, a00, a00, a00
-    if A_FROM_MEMORY:
+    # Phase 1: the pairwise key products of the 10 lower blocks (read back with gk).
+    if HAS_GK:
         a00 = _load_square_block(ai, tok0, 0, 0, HV, hv, n_valid)
         a10 = _load_square_block(ai, tok0, 1, 0, HV, hv, n_valid)
         a11 = _load_square_block(ai, tok0, 1, 1, HV, hv, n_valid)
@@ -415,55 +388,24 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         a32 = _load_square_block(ai, tok0, 3, 2, HV, hv, n_valid)
         a33 = _load_square_block(ai, tok0, 3, 3, HV, hv, n_valid)
     else:
+        a00 = tl.zeros([16, 16], dtype=tl.float32)
+        a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
             k0 = _load_tile(k, tok0, r0, H, head, K, cols, n_valid)
             k1 = _load_tile(k, tok0, r1, H, head, K, cols, n_valid)
             k2 = _load_tile(k, tok0, r2, H, head, K, cols, n_valid)
             k3 = _load_tile(k, tok0, r3, H, head, K, cols, n_valid)
-            if HAS_GK:
-                c0, c1, c2, c3, B0, B1, B2, B3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
-                                                                  b0, b1, b2, b3)
-                _store_tile(gk_cum, c0, tok0, r0, HV, hv, K, cols, n_valid)
-                _store_tile(gk_cum, c1, tok0, r1, HV, hv, K, cols, n_valid)
-                _store_tile(gk_cum, c2, tok0, r2, HV, hv, K, cols, n_valid)
-                _store_tile(gk_cum, c3, tok0, r3, HV, hv, K, cols, n_valid)
-                f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
-                m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
-            else:
-                B0, B1, B2, B3 = k0, k1, k2, k3  # unused placeholders
-                f1, f2, f3, m0, m1, m2, m3 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-            a00 += _pair_product(k0, B0, k0, B0, m0, HAS_GK)
-            a10 += _pair_product(k1, B1, k0, B0, f1, HAS_GK)
-            a11 += _pair_product(k1, B1, k1, B1, m1, HAS_GK)
-            a20 += _pair_product(k2, B2, k0, B0, f2, HAS_GK)
-            a21 += _pair_product(k2, B2, k1, B1, f2, HAS_GK)
-            a22 += _pair_product(k2, B2, k2, B2, m2, HAS_GK)
-            a30 += _pair_product(k3, B3, k0, B0, f3, HAS_GK)
-            a31 += _pair_product(k3, B3, k1, B1, f3, HAS_GK)
-            a32 += _pair_product(k3, B3, k2, B2, f3, HAS_GK)
-            a33 += _pair_product(k3, B3, k3, B3, m3, HAS_GK)
-            if STORE_AQK:  # only with gk: the output kernels read the gated query-key products
-                q0 = _load_tile(q, tok0, r0, H, head, K, cols, n_valid)
-                q1 = _load_tile(q, tok0, r1, H, head, K, cols, n_valid)
-                q2 = _load_tile(q, tok0, r2, H, head, K, cols, n_valid)
-                q3 = _load_tile(q, tok0, r3, H, head, K, cols, n_valid)
-                p00 += _pair_product(q0, B0, k0, B0, m0, HAS_GK)
-                p10 += _pair_product(q1, B1, k0, B0, f1, HAS_GK)
-                p11 += _pair_product(q1, B1, k1, B1, m1, HAS_GK)
-                p20 += _pair_product(q2, B2, k0, B0, f2, HAS_GK)
-                p21 += _pair_product(q2, B2, k1, B1, f2, HAS_GK)
-                p22 += _pair_product(q2, B2, k2, B2, m2, HAS_GK)
-                p30 += _pair_product(q3, B3, k0, B0, f3, HAS_GK)
-                p31 += _pair_product(q3, B3, k1, B1, f3, HAS_GK)
-                p32 += _pair_product(q3, B3, k2, B2, f3, HAS_GK)
-                p33 += _pair_product(q3, B3, k3, B3, m3, HAS_GK)
-
-    if STORE_AQK:
-        inc = (sub[:, None] >= sub[None, :]).to(tl.float32)  # diagonal blocks: lower triangle
-        _store_lower_blocks(aqk, tok0, HV, hv, n_valid, p00 * inc * scale, p10 * scale, p11 * inc * scale,
-                            p20 * scale, p21 * scale, p22 * inc * scale, p30 * scale, p31 * scale,
-                            p32 * scale, p33 * inc * scale)
+            a00 += tl.dot(k0, tl.trans(k0))
+            a10 += tl.dot(k1, tl.trans(k0))
+            a11 += tl.dot(k1, tl.trans(k1))
+            a20 += tl.dot(k2, tl.trans(k0))
+            a21 += tl.dot(k2, tl.trans(k1))
+            a22 += tl.dot(k2, tl.trans(k2))
+            a30 += tl.dot(k3, tl.trans(k0))
+            a31 += tl.dot(k3, tl.trans(k1))
+            a32 += tl.dot(k3, tl.trans(k2))
+            a33 += tl.dot(k3, tl.trans(k3))
 
     # Phase 2: A = diag(beta) (products . Gamma), strictly lower; T = (I + A)^-1 blockwise.
     if HAS_G and not HAS_GK:
@@ -510,15 +452,11 @@ def gdn_prepare_kernel(q, k, v, beta, g, gk, g_cum, gk_cum, w, u, ai, aqk, chunk
         s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
-            if HAS_GK and A_FROM_MEMORY:
+            if HAS_GK:
                 e0 = tl.exp(_load_tile(gk_cum, tok0, r0, HV, hv, K, cols, n_valid) + b0[:, None])
                 e1 = tl.exp(_load_tile(gk_cum, tok0, r1, HV, hv, K, cols, n_valid) + b1[:, None])
                 e2 = tl.exp(_load_tile(gk_cum, tok0, r2, HV, hv, K, cols, n_valid) + b2[:, None])
                 e3 = tl.exp(_load_tile(gk_cum, tok0, r3, HV, hv, K, cols, n_valid) + b3[:, None])
-            elif HAS_GK:
-                _c0, _c1, _c2, _c3, e0, e1, e2, e3 = _key_gate_blocks(gk, tok0, hv, HV, K, cols, n_valid,
-                                                                      b0, b1, b2, b3)
-                e0, e1, e2, e3 = tl.exp(e0), tl.exp(e1), tl.exp(e2), tl.exp(e3)
             else:
                 e0, e1, e2, e3 = tl.exp(b0)[:, None], tl.exp(b1)[:, None], tl.exp(b2)[:, None], tl.exp(b3)[:, None]
             kb0 = (_load_tile(k, tok0, r0, H, head, K, cols, n_valid) * e0 * beta0[:, None]).to(kdt)
