@@ -36,8 +36,9 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
-    if kernel == "pair_grad":
-        return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
+    if kernel == "pair_grad":  # one 16-row block per program: 64 wide, 4 warps, no pipeline (KDA
+        # B2 T4096 H16 fwd+bwd 3.375 ms against 3.455-3.576 for the others tried; s10 probes)
+        return GdnConfig(min(kp, 64), 16, num_warps=4, num_stages=1)
     # prepare, recompute_wu, bwd_dqkw, bwd_wy: measured at B4 T4096 H16 K = V = 128 on an H200
     # (bench/NOTES.md). K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory
     # overrun in the dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide,

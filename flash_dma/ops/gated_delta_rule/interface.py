@@ -389,7 +389,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dv = torch.empty_like(v)
     dg = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
     pair_cfg = gdn_config.select("pair_grad", K, V, dev)
-    pair_grid = (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k))
+    pair_grid = (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k) * 4)  # x 16-row blocks
 
     def pair_grad(x, dm, dx, mult, is_a):
         launch(gdn_gated_pair_grad_kernel, pair_grid,

@@ -914,13 +914,31 @@ def _load_square_block(base, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.cons
 
 
 @triton.jit
-def _left(x, b, ref):
-    return x * tl.exp(b - ref[None, :])
+def _key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                   HAS_G: tl.constexpr):
+    """B (total per-key log decay) of a [16, BK] block of rows."""
+    gate = _load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid)
+    if HAS_G:
+        gate += _load_vec(g_cum, tok0, rows, HV, hv, n_valid)[:, None]
+    return gate
 
 
 @triton.jit
-def _right(x, b, ref):
-    return x * tl.exp(ref[None, :] - b)
+def _reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                    HAS_G: tl.constexpr):
+    """B at the reference row of block pair (I, J): the first row of block I below the diagonal,
+    its middle row on it (at most the last valid row: rows past it carry no data)."""
+    row = tl.maximum(tl.minimum(tl.where(bi == bj, bi * 16 + 8, bi * 16), n_valid - 1), 0)
+    ref = _load_last_row(gk_cum, tok0 + row, HV, hv, K, cols)
+    if HAS_G:
+        ref += tl.load(g_cum + (tok0 + row) * HV + hv)
+    return ref
+
+
+@triton.jit
+def _decay_factor(exponent, valid_rows):
+    """e^exponent on valid rows, exactly 0 on rows past the chunk's end."""
+    return tl.exp(tl.where(valid_rows[:, None], exponent, float("-inf")))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -930,78 +948,50 @@ def gdn_gated_pair_grad_kernel(x, c, beta, g_cum, gk_cum, dm, dx, dc, dbeta, db,
                                HAS_G: tl.constexpr, IS_A: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Gradients through M_ij = mult sum_k a_i[k] c_j[k] e^(B_i[k] - B_j[k]) (lower triangle of a
     chunk), per key gate, given dM (stored by the dqkw or wy kernel). a = x (P: x = q, c = k) or
-    a = beta x (A: x = c = k). Adds to dx, dc, dbeta (A) and the per-key gate terms db, using the
-    same factorisation around reference rows as the forward."""
-    k_tile = tl.program_id(2)
+    a = beta x (A: x = c = k). Adds to dx, dc, dbeta (A) and the per-key gate terms db, with the
+    forward's factorisation around reference rows. One program per (chunk, head, K tile, 16-row
+    block b) (grid axis 2: K tile * 4 + b): row b of dM gives da_b, column b gives dc_b."""
+    kb = tl.program_id(2)
+    k_tile = kb // 4
+    blk = kb % 4
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
-    r0, r1, r2, r3 = sub, 16 + sub, 32 + sub, 48 + sub
+    rows_b = blk * 16 + sub
+    valid_b = rows_b < n_valid
     cols = k_tile * BK + tl.arange(0, BK)
-    if HAS_G:
-        b0 = _load_vec(g_cum, tok0, r0, HV, hv, n_valid)
-        b1 = _load_vec(g_cum, tok0, r1, HV, hv, n_valid)
-        b2 = _load_vec(g_cum, tok0, r2, HV, hv, n_valid)
-        b3 = _load_vec(g_cum, tok0, r3, HV, hv, n_valid)
-    else:
-        b0 = tl.zeros([16], dtype=tl.float32)
-        b1, b2, b3 = b0, b0, b0
-    B0 = _load_tile(gk_cum, tok0, r0, HV, hv, K, cols, n_valid) + b0[:, None]
-    B1 = _load_tile(gk_cum, tok0, r1, HV, hv, K, cols, n_valid) + b1[:, None]
-    B2 = _load_tile(gk_cum, tok0, r2, HV, hv, K, cols, n_valid) + b2[:, None]
-    B3 = _load_tile(gk_cum, tok0, r3, HV, hv, K, cols, n_valid) + b3[:, None]
-    f1, f2, f3 = _row_of(B1, 0, 16), _row_of(B2, 0, 16), _row_of(B3, 0, 16)
-    m0, m1, m2, m3 = _row_of(B0, 8, 16), _row_of(B1, 8, 16), _row_of(B2, 8, 16), _row_of(B3, 8, 16)
-    x0 = _load_tile(x, tok0, r0, H, head, K, cols, n_valid).to(tl.float32)
-    x1 = _load_tile(x, tok0, r1, H, head, K, cols, n_valid).to(tl.float32)
-    x2 = _load_tile(x, tok0, r2, H, head, K, cols, n_valid).to(tl.float32)
-    x3 = _load_tile(x, tok0, r3, H, head, K, cols, n_valid).to(tl.float32)
-    c0 = _load_tile(c, tok0, r0, H, head, K, cols, n_valid).to(tl.float32)
-    c1 = _load_tile(c, tok0, r1, H, head, K, cols, n_valid).to(tl.float32)
-    c2 = _load_tile(c, tok0, r2, H, head, K, cols, n_valid).to(tl.float32)
-    c3 = _load_tile(c, tok0, r3, H, head, K, cols, n_valid).to(tl.float32)
+    gate_b = _key_gate_rows(g_cum, gk_cum, tok0, rows_b, hv, HV, K, cols, n_valid, HAS_G)
+    # da_b = sum_{J <= b} (dM_bJ (c_J e^(r - B_J))) e^(B_b - r)
+    da = tl.zeros([16, BK], dtype=tl.float32)
+    for bj in range(0, blk + 1):
+        rows_j = bj * 16 + sub
+        ref = _reference_gate(g_cum, gk_cum, tok0, blk, bj, hv, HV, K, cols, n_valid, HAS_G)
+        gate_j = _key_gate_rows(g_cum, gk_cum, tok0, rows_j, hv, HV, K, cols, n_valid, HAS_G)
+        right = (_load_tile(c, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+                 * _decay_factor(ref[None, :] - gate_j, rows_j < n_valid))
+        dm_ptrs, dm_mask = _square_ptrs(dm, tok0, rows_b, HV, hv, rows_j, n_valid)
+        d_bj = tl.load(dm_ptrs, mask=dm_mask, other=0.0)
+        da += tl.dot(d_bj, right) * _decay_factor(gate_b - ref[None, :], valid_b)
+    # dc_b = sum_{I >= b} (dM_Ib^T (a_I e^(B_I - r))) e^(r - B_b)
+    dcv = tl.zeros([16, BK], dtype=tl.float32)
+    for bi in range(blk, 4):
+        rows_i = bi * 16 + sub
+        ref = _reference_gate(g_cum, gk_cum, tok0, bi, blk, hv, HV, K, cols, n_valid, HAS_G)
+        gate_i = _key_gate_rows(g_cum, gk_cum, tok0, rows_i, hv, HV, K, cols, n_valid, HAS_G)
+        a_i = _load_tile(x, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+        if IS_A:
+            a_i = a_i * _load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None]
+        left = a_i * _decay_factor(gate_i - ref[None, :], rows_i < n_valid)
+        dm_ptrs, dm_mask = _square_ptrs(dm, tok0, rows_i, HV, hv, rows_b, n_valid)
+        d_ib = tl.load(dm_ptrs, mask=dm_mask, other=0.0)
+        dcv += tl.dot(tl.trans(d_ib), left) * _decay_factor(ref[None, :] - gate_b, valid_b)
+    x_b = _load_tile(x, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
+    c_b = _load_tile(c, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
     if IS_A:
-        be0 = _load_vec(beta, tok0, r0, HV, hv, n_valid)[:, None]
-        be1 = _load_vec(beta, tok0, r1, HV, hv, n_valid)[:, None]
-        be2 = _load_vec(beta, tok0, r2, HV, hv, n_valid)[:, None]
-        be3 = _load_vec(beta, tok0, r3, HV, hv, n_valid)[:, None]
+        be_b = _load_vec(beta, tok0, rows_b, HV, hv, n_valid)[:, None]
     else:
-        be0 = tl.full([16, 1], 1.0, dtype=tl.float32)
-        be1, be2, be3 = be0, be0, be0
-    a0, a1, a2, a3 = x0 * be0, x1 * be1, x2 * be2, x3 * be3
-    d00 = _load_square_block(dm, tok0, 0, 0, HV, hv, n_valid)
-    d10 = _load_square_block(dm, tok0, 1, 0, HV, hv, n_valid)
-    d11 = _load_square_block(dm, tok0, 1, 1, HV, hv, n_valid)
-    d20 = _load_square_block(dm, tok0, 2, 0, HV, hv, n_valid)
-    d21 = _load_square_block(dm, tok0, 2, 1, HV, hv, n_valid)
-    d22 = _load_square_block(dm, tok0, 2, 2, HV, hv, n_valid)
-    d30 = _load_square_block(dm, tok0, 3, 0, HV, hv, n_valid)
-    d31 = _load_square_block(dm, tok0, 3, 1, HV, hv, n_valid)
-    d32 = _load_square_block(dm, tok0, 3, 2, HV, hv, n_valid)
-    d33 = _load_square_block(dm, tok0, 3, 3, HV, hv, n_valid)
-    # da_I = sum_J dM_IJ (c_J e^(r - B_J)) e^(B_I - r)
-    da0 = tl.dot(d00, _right(c0, B0, m0)) * tl.exp(B0 - m0[None, :])
-    da1 = (tl.dot(d10, _right(c0, B0, f1)) * tl.exp(B1 - f1[None, :])
-           + tl.dot(d11, _right(c1, B1, m1)) * tl.exp(B1 - m1[None, :]))
-    da2 = ((tl.dot(d20, _right(c0, B0, f2)) + tl.dot(d21, _right(c1, B1, f2))) * tl.exp(B2 - f2[None, :])
-           + tl.dot(d22, _right(c2, B2, m2)) * tl.exp(B2 - m2[None, :]))
-    da3 = ((tl.dot(d30, _right(c0, B0, f3)) + tl.dot(d31, _right(c1, B1, f3)) + tl.dot(d32, _right(c2, B2, f3)))
-           * tl.exp(B3 - f3[None, :]) + tl.dot(d33, _right(c3, B3, m3)) * tl.exp(B3 - m3[None, :]))
-    # dc_J = sum_I dM_IJ^T (a_I e^(B_I - r)) e^(r - B_J)
-    l1, l2, l3 = _left(a1, B1, f1), _left(a2, B2, f2), _left(a3, B3, f3)
-    dc0 = (tl.dot(tl.trans(d00), _left(a0, B0, m0)) * tl.exp(m0[None, :] - B0)
-           + tl.dot(tl.trans(d10), l1) * tl.exp(f1[None, :] - B0)
-           + tl.dot(tl.trans(d20), l2) * tl.exp(f2[None, :] - B0)
-           + tl.dot(tl.trans(d30), l3) * tl.exp(f3[None, :] - B0))
-    dc1 = (tl.dot(tl.trans(d11), _left(a1, B1, m1)) * tl.exp(m1[None, :] - B1)
-           + tl.dot(tl.trans(d21), l2) * tl.exp(f2[None, :] - B1)
-           + tl.dot(tl.trans(d31), l3) * tl.exp(f3[None, :] - B1))
-    dc2 = (tl.dot(tl.trans(d22), _left(a2, B2, m2)) * tl.exp(m2[None, :] - B2)
-           + tl.dot(tl.trans(d32), l3) * tl.exp(f3[None, :] - B2))
-    dc3 = tl.dot(tl.trans(d33), _left(a3, B3, m3)) * tl.exp(m3[None, :] - B3)
-    _pair_grad_update(dx, dc, dbeta, db, tok0, r0, H, HV, head, hv, K, cols, n_valid, mult, x0, a0, c0, be0, da0, dc0, IS_A)
-    _pair_grad_update(dx, dc, dbeta, db, tok0, r1, H, HV, head, hv, K, cols, n_valid, mult, x1, a1, c1, be1, da1, dc1, IS_A)
-    _pair_grad_update(dx, dc, dbeta, db, tok0, r2, H, HV, head, hv, K, cols, n_valid, mult, x2, a2, c2, be2, da2, dc2, IS_A)
-    _pair_grad_update(dx, dc, dbeta, db, tok0, r3, H, HV, head, hv, K, cols, n_valid, mult, x3, a3, c3, be3, da3, dc3, IS_A)
+        be_b = tl.full([16, 1], 1.0, dtype=tl.float32)
+    _pair_grad_update(dx, dc, dbeta, db, tok0, rows_b, H, HV, head, hv, K, cols, n_valid, mult,
+                      x_b, x_b * be_b, c_b, be_b, da, dcv, IS_A)
 
 
 @triton.jit
