@@ -193,9 +193,11 @@ def _inverse_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = True):
+def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = True,
+             store_q_gated: bool = False):
     """Gate cumsums, T = (I + A)^-1 per chunk, w and u (unless store_wu is False: returned as
-    None) and, with gk, the gated query-key matrix."""
+    None) and, with gk, the gated query-key matrix and k e^(C_last - C) (and, with store_q_gated,
+    q e^C) per value head for the state passes; None without gk."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -206,6 +208,8 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if store_wu else None
     ai = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # the WY backward reads fp32
     aqk = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32) if has_gk else None
+    k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if has_gk else None
+    q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if has_gk and store_q_gated else None
     precision = _inverse_precision(k.dtype)
     # T alone in tf32 is light enough for one warp per chunk; w, u or exact products want two
     cfg = gdn_config.select("prepare_gk" if has_gk else "prepare" if store_wu or precision == "ieee"
@@ -221,8 +225,10 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
             num_warps=scan_cfg.num_warps, num_stages=scan_cfg.num_stages)
         pairs_cfg = gdn_config.select("gated_pairs", K, V, dev)
         launch(gdn_gated_pairs_kernel, (layout.num_slots, B * HV, 16),
-            q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, chunk_map, cu, T, scale,
-            H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
+            q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, k_gated,
+            q_gated if q_gated is not None else k_gated, chunk_map, cu, T, scale,
+            H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, STORE_Q_GATED=q_gated is not None,
+            IS_VARLEN=layout.is_varlen,
             num_warps=pairs_cfg.num_warps, num_stages=pairs_cfg.num_stages)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
         k, v, beta, g if has_g else ai, g_cum if has_g else ai, gk_cum if has_gk else ai,
@@ -230,7 +236,7 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
         T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
         IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return g_cum, gk_cum, w, u, ai, aqk
+    return g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated
 
 
 def _backward_reuses_inverse(K: int, V: int, has_gk: bool) -> bool:
@@ -274,7 +280,8 @@ def _forward_states_from_inverse(layout: ChunkLayout, HV: int, K: int, device) -
 
 
 def _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
-    """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta."""
+    """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
+    With gk, k is the gated k of _prepare (per value head)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -317,8 +324,7 @@ def _intra(q, k, g_cum, gk_cum, aqk, h, v_new, do, scale, layout: ChunkLayout, o
     return out
 
 
-def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout: ChunkLayout,
-             gate_qk: bool):
+def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout: ChunkLayout):
     B, T, HQ, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     dev = q.device
@@ -332,7 +338,7 @@ def _bwd_dhu(q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale, layout:
         q, k, w, do, dv, g_cum if g_cum is not None else q, gk_cum if gk_cum is not None else q,
         dht if dht is not None else q, dh, dh0 if want_dh0 else q, dv2, cu, offsets, T, scale,
         HQ=HQ, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
-        HAS_GK=gk_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0, GATE_QK=gate_qk,
+        HAS_GK=gk_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
         IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dh, dh0, dv2
 
@@ -353,14 +359,18 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dev = q.device
     has_g, has_gk = g is not None, gk is not None
     if ai is None:
-        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout)
+        g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(q, k, v, beta, g, gk, scale, layout,
+                                                                  store_q_gated=True)
     else:
-        gk_cum = aqk = None
+        gk_cum = aqk = k_gated = q_gated = None
         w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
-    h, v_new, _ = _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout, store_final=False)
+    k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
+    h, v_new, _ = _states(k_states, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout,
+                          store_final=False)
     dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
-    dh, dh0, dv2 = _bwd_dhu(q, k, w, do, dv_local, g_cum, gk_cum, dht, initial_state is not None,
-                            scale, layout, gate_qk=True)
+    dh, dh0, dv2 = _bwd_dhu(q if q_gated is None else q_gated, k_states, w, do, dv_local, g_cum, gk_cum,
+                            dht, initial_state is not None, scale, layout)
+    del k_gated, q_gated
     del dv_local
     cfg = gdn_config.select("bwd_dqkw", K, V, dev)
     num_k_tiles = ceil_div(K, cfg.block_k)
@@ -427,13 +437,13 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         layout = chunk_layout(B, T, cu_seqlens)
         keep_t = _backward_reuses_inverse(k.shape[3], v.shape[3], gk is not None)
         split = keep_t and SPLIT_PREPARE
-        g_cum, gk_cum, w, u, ai, aqk = _prepare(q, k, v, beta, g, gk, scale, layout,
-                                                store_wu=not split)
+        g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(q, k, v, beta, g, gk, scale, layout,
+                                                            store_wu=not split)
         if split and not _forward_states_from_inverse(layout, v.shape[2], k.shape[3], q.device):
             w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
-        h, v_new, final = _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout,
-                                  output_final_state)
-        del w, u
+        h, v_new, final = _states(k if k_gated is None else k_gated, v, beta, ai, w, u, g_cum, gk_cum,
+                                  initial_state, layout, output_final_state)
+        del w, u, k_gated
         o = _intra(q, k, g_cum, gk_cum, aqk, h, v_new, None, scale, layout, q.dtype, is_dv=False)
         # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
         # states), where the backward can reuse them.
@@ -540,7 +550,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
     layout = chunk_layout(B, T, cu_seqlens)
     dh, dh0, dv2 = _bwd_dhu(_rows(q), _rows(k), _rows(w), _rows(do), _rows(dv), g if g is None else _rows(g),
                             gk if gk is None else _rows(gk), None if dht is None else _rows(dht),
-                            h0 is not None, float(scale), layout, gate_qk=False)
+                            h0 is not None, float(scale), layout)
     if layout.is_varlen:
         dh = dh[:total_chunks(cu_seqlens)].unsqueeze(0)
     else:

@@ -286,16 +286,20 @@ def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, chunk_map, cu_seqlens, T,
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlens, T, scale,
+def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, k_gated, q_gated, chunk_map, cu_seqlens,
+                           T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+                           HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """With the per-key gate: one 16x16 block (I, J) of a chunk's gated pair products per program
     (grid axis 2: I * 4 + J), with B the total per-key log decay,
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
     factorised around a reference row r as in the module docstring. Blocks above the diagonal of
     Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
-    small programs per chunk instead of all products in the prepare program, which spilled."""
+    small programs per chunk instead of all products in the prepare program, which spilled.
+    The diagonal programs also write k e^(C_last - C) (and, with STORE_Q_GATED, q e^C), C the per-key
+    cumsum alone, per value head in k's dtype: the state passes read them as bwd_dhu's public
+    convention has them, instead of gating [64, K] tiles inside their sequential chains."""
     block = tl.program_id(2)
     bi = block // 4
     bj = block % 4
@@ -314,9 +318,11 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
         valid_j = (rows_j < n_valid)[:, None]
         acc_a = tl.zeros([16, 16], dtype=tl.float32)
         acc_p = tl.zeros([16, 16], dtype=tl.float32)
+        last_row = tl.maximum(n_valid - 1, 0)
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
-            gate_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
+            key_cum_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
+            gate_i = key_cum_i
             gate_j = _load_tile(gk_cum, tok0, rows_j, HV, hv, K, cols, n_valid)
             ref = _load_last_row(gk_cum, tok0 + ref_row, HV, hv, K, cols)
             if HAS_G:
@@ -327,10 +333,16 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
             left = tl.exp(tl.where(valid_i, gate_i - ref[None, :], float("-inf")))
             right = (_load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
                      * tl.exp(tl.where(valid_j, ref[None, :] - gate_j, float("-inf"))))
-            ki = _load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
-            qi = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
-            acc_a += tl.dot(ki, tl.trans(right))
-            acc_p += tl.dot(qi, tl.trans(right))
+            k_rows = _load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+            q_rows = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+            acc_a += tl.dot(k_rows * left, tl.trans(right))
+            acc_p += tl.dot(q_rows * left, tl.trans(right))
+            if bi == bj:
+                key_cum_last = _load_last_row(gk_cum, tok0 + last_row, HV, hv, K, cols)
+                _store_tile(k_gated, k_rows * tl.exp(key_cum_last[None, :] - key_cum_i), tok0, rows_i,
+                            HV, hv, K, cols, n_valid)
+                if STORE_Q_GATED:
+                    _store_tile(q_gated, q_rows * tl.exp(key_cum_i), tok0, rows_i, HV, hv, K, cols, n_valid)
         off_diag = bi != bj
         a_keep = (sub[:, None] > sub[None, :]) | off_diag
         p_keep = (sub[:, None] >= sub[None, :]) | off_diag
@@ -535,7 +547,9 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
     reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
-    programs run (gdn_config.forward_states_from_inverse)."""
+    programs run (gdn_config.forward_states_from_inverse).
+    With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
+    head (gdn_gated_pairs_kernel writes it), with H = HV."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
@@ -563,10 +577,8 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
             b_last = _load_last(g_cum, tok0, HV, hv, n_valid)
             vn = vn * tl.exp(b_last - bt)[:, None]
             state = state * tl.exp(b_last)
-        if HAS_GK:
-            ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
+        if HAS_GK:  # k comes gated (k e^(C_last - C), per value head): only the state decays here
             c_last = _load_last_row(gk_cum, tok0 + n_valid - 1, HV, hv, K, krows)
-            kt = (kt * tl.exp(c_last[None, :] - ct)).to(kt.dtype)
             state = state * tl.exp(c_last)[:, None]
         state += tl.dot(tl.trans(kt), vn.to(kt.dtype))
     if STORE_HT:
@@ -649,13 +661,13 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
                        HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
-                       STORE_DH0: tl.constexpr, GATE_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
+                       STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
     """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
     the state at the end of the chunk:
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
         D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
-    q and k come already gated by gk (the public convention), or, with GATE_QK, are gated here
-    (q e^gk, k e^(gk_last - gk)). BK covers all of K."""
+    q and k come already gated by gk (q e^gk, k e^(gk_last - gk): the public convention; the op
+    passes those of gdn_gated_pairs_kernel). BK covers all of K."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
@@ -689,11 +701,6 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         kt = _load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
         wt = _load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
         dot_t = _load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
-        if HAS_GK:
-            if GATE_QK:
-                ct = _load_tile(gk_cum, tok0, rows, HV, hv, K, krows, n_valid)
-                kt = (kt * tl.exp(c_last[None, :] - ct)).to(dt)
-                qt = (qt * tl.exp(ct)).to(dt)
         kd = tl.dot(kt, state.to(dt))
         if HAS_G:
             # (q e^g)^T do = q^T (e^g do): the gate goes on do's rows, q stays a plain load
