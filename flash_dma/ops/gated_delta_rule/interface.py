@@ -220,15 +220,15 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
         # prepare program then only inverts and forms w, u (all in one program it spilled 3.3 KB)
         scan_cfg = gdn_config.select("chunk_cumsum", K, V, dev)
         launch(gdn_chunk_cumsum_kernel, (layout.num_slots, B * HV),
-            g if has_g else gk, gk, g_cum if has_g else gk_cum, gk_cum, chunk_map, cu, T,
-            HV=HV, K=K, BK=scan_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
+            g if has_g else gk, gk, g_cum if has_g else gk_cum, gk_cum, q, k,
+            q_gated if q_gated is not None else k_gated, k_gated, chunk_map, cu, T,
+            H=H, HV=HV, K=K, BK=scan_cfg.block_k, HAS_G=has_g, STORE_Q_GATED=q_gated is not None,
+            IS_VARLEN=layout.is_varlen,
             num_warps=scan_cfg.num_warps, num_stages=scan_cfg.num_stages)
         pairs_cfg = gdn_config.select("gated_pairs", K, V, dev)
         launch(gdn_gated_pairs_kernel, (layout.num_slots, B * HV, 16),
-            q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, k_gated,
-            q_gated if q_gated is not None else k_gated, chunk_map, cu, T, scale,
-            H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, STORE_Q_GATED=q_gated is not None,
-            IS_VARLEN=layout.is_varlen,
+            q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, chunk_map, cu, T, scale,
+            H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
             num_warps=pairs_cfg.num_warps, num_stages=pairs_cfg.num_stages)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
         k, v, beta, g if has_g else ai, g_cum if has_g else ai, gk_cum if has_gk else ai,

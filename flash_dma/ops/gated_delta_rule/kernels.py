@@ -269,37 +269,41 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T"])
-def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, chunk_map, cu_seqlens, T,
-                            HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu_seqlens, T,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chunk-local cumulative sums of the scalar and per-key log decays (fp32), one program per
-    (chunk, value head)."""
-    hv, _head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, HV, HV, IS_VARLEN)
+    (chunk, value head); and k e^(C_last - C) (with STORE_Q_GATED also q e^C), C the per-key cumsum
+    alone, per value head in k's dtype: the state passes read them as bwd_dhu's public convention
+    has them, instead of gating [64, K] tiles inside their sequential chains."""
+    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
     if HAS_G:
         gt = _load_vec(g, tok0, rows, HV, hv, n_valid).to(tl.float32)
         _store_vec(g_cum, tl.cumsum(gt, 0), tok0, rows, HV, hv, n_valid)
     for k_start in range(0, K, BK):
         cols = k_start + tl.arange(0, BK)
-        gkt = _load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32)
-        _store_tile(gk_cum, tl.cumsum(gkt, 0), tok0, rows, HV, hv, K, cols, n_valid)
+        key_cum = tl.cumsum(_load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
+        _store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
+        k_rows = _load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+        decay_to_end = tl.exp(_last_row_of(key_cum, n_valid)[None, :] - key_cum)
+        _store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
+        if STORE_Q_GATED:
+            q_rows = _load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+            _store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, k_gated, q_gated, chunk_map, cu_seqlens,
-                           T, scale,
+def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlens, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
+                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """With the per-key gate: one 16x16 block (I, J) of a chunk's gated pair products per program
     (grid axis 2: I * 4 + J), with B the total per-key log decay,
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
     factorised around a reference row r as in the module docstring. Blocks above the diagonal of
     Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
-    small programs per chunk instead of all products in the prepare program, which spilled.
-    The diagonal programs also write k e^(C_last - C) (and, with STORE_Q_GATED, q e^C), C the per-key
-    cumsum alone, per value head in k's dtype: the state passes read them as bwd_dhu's public
-    convention has them, instead of gating [64, K] tiles inside their sequential chains."""
+    small programs per chunk instead of all products in the prepare program, which spilled."""
     block = tl.program_id(2)
     bi = block // 4
     bj = block % 4
@@ -318,11 +322,9 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, k_gated, q_gated, ch
         valid_j = (rows_j < n_valid)[:, None]
         acc_a = tl.zeros([16, 16], dtype=tl.float32)
         acc_p = tl.zeros([16, 16], dtype=tl.float32)
-        last_row = tl.maximum(n_valid - 1, 0)
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
-            key_cum_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
-            gate_i = key_cum_i
+            gate_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
             gate_j = _load_tile(gk_cum, tok0, rows_j, HV, hv, K, cols, n_valid)
             ref = _load_last_row(gk_cum, tok0 + ref_row, HV, hv, K, cols)
             if HAS_G:
@@ -337,12 +339,6 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, k_gated, q_gated, ch
             q_rows = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
             acc_a += tl.dot(k_rows * left, tl.trans(right))
             acc_p += tl.dot(q_rows * left, tl.trans(right))
-            if bi == bj:
-                key_cum_last = _load_last_row(gk_cum, tok0 + last_row, HV, hv, K, cols)
-                _store_tile(k_gated, k_rows * tl.exp(key_cum_last[None, :] - key_cum_i), tok0, rows_i,
-                            HV, hv, K, cols, n_valid)
-                if STORE_Q_GATED:
-                    _store_tile(q_gated, q_rows * tl.exp(key_cum_i), tok0, rows_i, HV, hv, K, cols, n_valid)
         off_diag = bi != bj
         a_keep = (sub[:, None] > sub[None, :]) | off_diag
         p_keep = (sub[:, None] >= sub[None, :]) | off_diag
@@ -549,7 +545,7 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
     programs run (gdn_config.forward_states_from_inverse).
     With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
-    head (gdn_gated_pairs_kernel writes it), with H = HV."""
+    head (gdn_chunk_cumsum_kernel writes it), with H = HV."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
@@ -667,7 +663,7 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
         D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
     q and k come already gated by gk (q e^gk, k e^(gk_last - gk): the public convention; the op
-    passes those of gdn_gated_pairs_kernel). BK covers all of K."""
+    passes those of gdn_chunk_cumsum_kernel). BK covers all of K."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, 64)
