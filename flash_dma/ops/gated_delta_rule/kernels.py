@@ -268,6 +268,34 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 # ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def _key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                   HAS_G: tl.constexpr):
+    """B (total per-key log decay) of a [16, BK] block of rows."""
+    gate = _load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid)
+    if HAS_G:
+        gate += _load_vec(g_cum, tok0, rows, HV, hv, n_valid)[:, None]
+    return gate
+
+
+@triton.jit
+def _reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
+                    HAS_G: tl.constexpr):
+    """B at the reference row of block pair (I, J): the first row of block I below the diagonal,
+    its middle row on it (at most the last valid row: rows past it carry no data)."""
+    row = tl.maximum(tl.minimum(tl.where(bi == bj, bi * 16 + 8, bi * 16), n_valid - 1), 0)
+    ref = _load_last_row(gk_cum, tok0 + row, HV, hv, K, cols)
+    if HAS_G:
+        ref += tl.load(g_cum + (tok0 + row) * HV + hv)
+    return ref
+
+
+@triton.jit
+def _decay_factor(exponent, valid_rows):
+    """e^exponent on valid rows, exactly 0 on rows past the chunk's end."""
+    return tl.exp(tl.where(valid_rows[:, None], exponent, float("-inf")))
+
+
 @triton.jit(do_not_specialize=["T"])
 def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -315,26 +343,16 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
     if bj > bi:
         tl.store(sq_ptrs, tl.zeros([16, 16], dtype=tl.float32), mask=sq_mask)
     else:
-        # below the diagonal the first row of block I, on it its middle row (at most the last
-        # valid row: rows past it carry no data)
-        ref_row = tl.maximum(tl.minimum(tl.where(bi == bj, bi * 16 + 8, bi * 16), n_valid - 1), 0)
-        valid_i = (rows_i < n_valid)[:, None]
-        valid_j = (rows_j < n_valid)[:, None]
         acc_a = tl.zeros([16, 16], dtype=tl.float32)
         acc_p = tl.zeros([16, 16], dtype=tl.float32)
         for k_start in range(0, K, BK):
             cols = k_start + tl.arange(0, BK)
-            gate_i = _load_tile(gk_cum, tok0, rows_i, HV, hv, K, cols, n_valid)
-            gate_j = _load_tile(gk_cum, tok0, rows_j, HV, hv, K, cols, n_valid)
-            ref = _load_last_row(gk_cum, tok0 + ref_row, HV, hv, K, cols)
-            if HAS_G:
-                gate_i += _load_vec(g_cum, tok0, rows_i, HV, hv, n_valid)[:, None]
-                gate_j += _load_vec(g_cum, tok0, rows_j, HV, hv, n_valid)[:, None]
-                ref += tl.load(g_cum + (tok0 + ref_row) * HV + hv)
-            # rows past the chunk's end get a factor of 0, never e^(large) times a masked 0
-            left = tl.exp(tl.where(valid_i, gate_i - ref[None, :], float("-inf")))
+            gate_i = _key_gate_rows(g_cum, gk_cum, tok0, rows_i, hv, HV, K, cols, n_valid, HAS_G)
+            gate_j = _key_gate_rows(g_cum, gk_cum, tok0, rows_j, hv, HV, K, cols, n_valid, HAS_G)
+            ref = _reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV, K, cols, n_valid, HAS_G)
+            left = _decay_factor(gate_i - ref[None, :], rows_i < n_valid)
             right = (_load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
-                     * tl.exp(tl.where(valid_j, ref[None, :] - gate_j, float("-inf"))))
+                     * _decay_factor(ref[None, :] - gate_j, rows_j < n_valid))
             k_rows = _load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
             q_rows = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
             acc_a += tl.dot(k_rows * left, tl.trans(right))
@@ -914,34 +932,6 @@ def _load_square_block(base, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.cons
     sub = tl.arange(0, 16)
     ptrs, mask = _square_ptrs(base, tok0, I * 16 + sub, HV, hv, J * 16 + sub, n_valid)
     return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
-                   HAS_G: tl.constexpr):
-    """B (total per-key log decay) of a [16, BK] block of rows."""
-    gate = _load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid)
-    if HAS_G:
-        gate += _load_vec(g_cum, tok0, rows, HV, hv, n_valid)[:, None]
-    return gate
-
-
-@triton.jit
-def _reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
-                    HAS_G: tl.constexpr):
-    """B at the reference row of block pair (I, J): the first row of block I below the diagonal,
-    its middle row on it (at most the last valid row: rows past it carry no data)."""
-    row = tl.maximum(tl.minimum(tl.where(bi == bj, bi * 16 + 8, bi * 16), n_valid - 1), 0)
-    ref = _load_last_row(gk_cum, tok0 + row, HV, hv, K, cols)
-    if HAS_G:
-        ref += tl.load(g_cum + (tok0 + row) * HV + hv)
-    return ref
-
-
-@triton.jit
-def _decay_factor(exponent, valid_rows):
-    """e^exponent on valid rows, exactly 0 on rows past the chunk's end."""
-    return tl.exp(tl.where(valid_rows[:, None], exponent, float("-inf")))
 
 
 @triton.jit(do_not_specialize=["T"])
