@@ -383,7 +383,8 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     if has_gk:
         db = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
-        scratch = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)
+        scratch = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # dP
+        d_a = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)
     else:
         db = torch.empty(num_k_tiles, B, T, HV, device=dev, dtype=torch.float32) if has_g else dq
         scratch = dq
@@ -398,26 +399,22 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dg = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
-    pair_cfg = gdn_config.select("pair_grad", K, V, dev)
-    pair_grid = (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k) * 4)  # x 16-row blocks
-
-    def pair_grad(x, dm, dx, mult, is_a):
-        launch(gdn_gated_pair_grad_kernel, pair_grid,
-            x, k, beta, g_cum if has_g else q, gk_cum, dm, dx, dk, dbeta, db, chunk_map, cu, T, mult,
-            H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_A=is_a, IS_VARLEN=layout.is_varlen,
-            num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
-
-    if has_gk:
-        pair_grad(q, scratch, dq, scale, False)
     wy_cfg = gdn_config.select("bwd_wy", K, V, dev)
     launch(gdn_bwd_wy_kernel, (layout.num_slots, B * HV),
         k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dk_out, dv, dbeta,
-        db, dg if has_g else q, scratch, chunk_map, cu, T, db_tile_stride, H=H, HV=HV, K=K, V=V,
+        db, dg if has_g else q, d_a if has_gk else q, chunk_map, cu, T, db_tile_stride,
+        H=H, HV=HV, K=K, V=V,
         BK=wy_cfg.block_k, BV=wy_cfg.block_v, NK=num_k_tiles, HAS_G=has_g, HAS_GK=has_gk,
         IS_VARLEN=layout.is_varlen, num_warps=wy_cfg.num_warps, num_stages=wy_cfg.num_stages)
     dgk = None
     if has_gk:
-        pair_grad(k, scratch, dk, 1.0, True)
+        # both pairwise matrices' gradients at once (after the wy kernel: all adds commute)
+        pair_cfg = gdn_config.select("pair_grad", K, V, dev)
+        launch(gdn_gated_pair_grad_kernel,
+            (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k) * 4),  # x 16-row blocks
+            q, k, beta, g_cum if has_g else q, gk_cum, scratch, d_a, dq, dk, dbeta, db, chunk_map, cu,
+            T, scale, H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
+            num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
         launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
             db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K,

@@ -935,15 +935,17 @@ def _load_square_block(base, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.cons
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_gated_pair_grad_kernel(x, c, beta, g_cum, gk_cum, dm, dx, dc, dbeta, db,
-                               chunk_map, cu_seqlens, T, mult,
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta, db,
+                               chunk_map, cu_seqlens, T, scale,
                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                               HAS_G: tl.constexpr, IS_A: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Gradients through M_ij = mult sum_k a_i[k] c_j[k] e^(B_i[k] - B_j[k]) (lower triangle of a
-    chunk), per key gate, given dM (stored by the dqkw or wy kernel). a = x (P: x = q, c = k) or
-    a = beta x (A: x = c = k). Adds to dx, dc, dbeta (A) and the per-key gate terms db, with the
-    forward's factorisation around reference rows. One program per (chunk, head, K tile, 16-row
-    block b) (grid axis 2: K tile * 4 + b): row b of dM gives da_b, column b gives dc_b."""
+                               HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
+        P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
+    given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk, dbeta and the
+    per-key gate terms db, with the forward's factorisation around reference rows. Both share
+    their decay factors and k's right-hand factor, so one program does both. One program per
+    (chunk, head, K tile, 16-row block b) (grid axis 2: K tile * 4 + b): row b of dP, dA gives the
+    gradients of row b's q and beta k, column b those of row b's k."""
     kb = tl.program_id(2)
     k_tile = kb // 4
     blk = kb % 4
@@ -953,57 +955,51 @@ def gdn_gated_pair_grad_kernel(x, c, beta, g_cum, gk_cum, dm, dx, dc, dbeta, db,
     valid_b = rows_b < n_valid
     cols = k_tile * BK + tl.arange(0, BK)
     gate_b = _key_gate_rows(g_cum, gk_cum, tok0, rows_b, hv, HV, K, cols, n_valid, HAS_G)
-    # da_b = sum_{J <= b} (dM_bJ (c_J e^(r - B_J))) e^(B_b - r)
-    da = tl.zeros([16, BK], dtype=tl.float32)
+    # row b: d(left operand)_b = sum_{J <= b} (dM_bJ (k_J e^(r - B_J))) e^(B_b - r), M = P, A
+    dq_b = tl.zeros([16, BK], dtype=tl.float32)
+    dka_b = tl.zeros([16, BK], dtype=tl.float32)
     for bj in range(0, blk + 1):
         rows_j = bj * 16 + sub
         ref = _reference_gate(g_cum, gk_cum, tok0, blk, bj, hv, HV, K, cols, n_valid, HAS_G)
         gate_j = _key_gate_rows(g_cum, gk_cum, tok0, rows_j, hv, HV, K, cols, n_valid, HAS_G)
-        right = (_load_tile(c, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+        right = (_load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
                  * _decay_factor(ref[None, :] - gate_j, rows_j < n_valid))
-        dm_ptrs, dm_mask = _square_ptrs(dm, tok0, rows_b, HV, hv, rows_j, n_valid)
-        d_bj = tl.load(dm_ptrs, mask=dm_mask, other=0.0)
-        da += tl.dot(d_bj, right) * _decay_factor(gate_b - ref[None, :], valid_b)
-    # dc_b = sum_{I >= b} (dM_Ib^T (a_I e^(B_I - r))) e^(r - B_b)
-    dcv = tl.zeros([16, BK], dtype=tl.float32)
+        row_factor = _decay_factor(gate_b - ref[None, :], valid_b)
+        m_ptrs, m_mask = _square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
+        dq_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+        m_ptrs, m_mask = _square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
+        dka_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+    # column b: d(right operand)_b = sum_{I >= b} (dM_Ib^T (a_I e^(B_I - r))) e^(r - B_b), a = q, beta k
+    dkp_b = tl.zeros([16, BK], dtype=tl.float32)
+    dkc_b = tl.zeros([16, BK], dtype=tl.float32)
     for bi in range(blk, 4):
         rows_i = bi * 16 + sub
         ref = _reference_gate(g_cum, gk_cum, tok0, bi, blk, hv, HV, K, cols, n_valid, HAS_G)
         gate_i = _key_gate_rows(g_cum, gk_cum, tok0, rows_i, hv, HV, K, cols, n_valid, HAS_G)
-        a_i = _load_tile(x, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
-        if IS_A:
-            a_i = a_i * _load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None]
-        left = a_i * _decay_factor(gate_i - ref[None, :], rows_i < n_valid)
-        dm_ptrs, dm_mask = _square_ptrs(dm, tok0, rows_i, HV, hv, rows_b, n_valid)
-        d_ib = tl.load(dm_ptrs, mask=dm_mask, other=0.0)
-        dcv += tl.dot(tl.trans(d_ib), left) * _decay_factor(ref[None, :] - gate_b, valid_b)
-    x_b = _load_tile(x, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
-    c_b = _load_tile(c, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
-    if IS_A:
-        be_b = _load_vec(beta, tok0, rows_b, HV, hv, n_valid)[:, None]
-    else:
-        be_b = tl.full([16, 1], 1.0, dtype=tl.float32)
-    _pair_grad_update(dx, dc, dbeta, db, tok0, rows_b, H, HV, head, hv, K, cols, n_valid, mult,
-                      x_b, x_b * be_b, c_b, be_b, da, dcv, IS_A)
-
-
-@triton.jit
-def _pair_grad_update(dx, dc, dbeta, db, tok0, rows, H: tl.constexpr, HV: tl.constexpr, head, hv,
-                      K: tl.constexpr, cols, n_valid, mult, x, a, c, be, da, dcv, IS_A: tl.constexpr):
-    """Adds one 16-row block's gradients (gradient buffers are per value head, fp32)."""
-    ptrs, mask = _tile_ptrs(db, tok0, rows, HV, hv, K, cols, n_valid)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * (a * da - c * dcv), mask=mask)
-    if IS_A:  # x and c are both k: one buffer
-        ptrs, mask = _tile_ptrs(dx, tok0, rows, HV, hv, K, cols, n_valid)
-        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * (be * da + dcv), mask=mask)
-        # dbeta: one K tile's share, accumulated with atomics across tiles
-        bptrs, bmask = _vec_ptrs(dbeta, tok0, rows, HV, hv, n_valid)
-        tl.atomic_add(bptrs, mult * tl.sum(x * da, axis=1), mask=bmask)
-    else:
-        ptrs, mask = _tile_ptrs(dx, tok0, rows, HV, hv, K, cols, n_valid)
-        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * da, mask=mask)
-        ptrs, mask = _tile_ptrs(dc, tok0, rows, HV, hv, K, cols, n_valid)
-        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + mult * dcv, mask=mask)
+        left = _decay_factor(gate_i - ref[None, :], rows_i < n_valid)
+        q_i = _load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+        k_i = (_load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+               * _load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
+        col_factor = _decay_factor(ref[None, :] - gate_b, valid_b)
+        m_ptrs, m_mask = _square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
+        dkp_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), q_i) * col_factor
+        m_ptrs, m_mask = _square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
+        dkc_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), k_i) * col_factor
+    q_b = _load_tile(q, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
+    k_b = _load_tile(k, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
+    beta_b = _load_vec(beta, tok0, rows_b, HV, hv, n_valid)[:, None]
+    # gradient buffers are per value head, fp32; this program owns rows b of its K tile
+    ptrs, mask = _tile_ptrs(db, tok0, rows_b, HV, hv, K, cols, n_valid)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * (q_b * dq_b - k_b * dkp_b)
+             + (beta_b * k_b * dka_b - k_b * dkc_b), mask=mask)
+    ptrs, mask = _tile_ptrs(dq, tok0, rows_b, HV, hv, K, cols, n_valid)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * dq_b, mask=mask)
+    ptrs, mask = _tile_ptrs(dk, tok0, rows_b, HV, hv, K, cols, n_valid)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_b + beta_b * dka_b + dkc_b,
+             mask=mask)
+    # dbeta: one K tile's share, accumulated with atomics across tiles
+    bptrs, bmask = _vec_ptrs(dbeta, tok0, rows_b, HV, hv, n_valid)
+    tl.atomic_add(bptrs, tl.sum(k_b * dka_b, axis=1), mask=bmask)
 
 
 @triton.jit(do_not_specialize=["T"])
