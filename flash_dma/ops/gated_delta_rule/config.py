@@ -52,7 +52,7 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         # warps (48 bytes of stack) beat 4 (none), 4 / 2 stages and 8 warps (KDA B2 T4096 H16
         # forward 0.791 ms against 0.826-0.923, H200, bench/results/s10-probes-H200-20261121.txt)
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
-    if kernel == "chunk_cumsum":
+    if kernel == "chunk_cumsum":  # 2 or 8 warps, 128-wide tiles: within 0.5% (s10 probes, run 7)
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
     if kernel == "gated_pairs":  # one 16x16 block per program; the same sweep: 2 warps, 1 stage
         return GdnConfig(64, 16, num_warps=2, num_stages=1)

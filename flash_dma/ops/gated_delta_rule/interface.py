@@ -20,13 +20,13 @@ from ...validation import check_same_device, check_shape, check_tensor
 from . import config as gdn_config
 from .kernels import (
     gdn_bwd_dhu_kernel,
-    gdn_chunk_cumsum_kernel,
-    gdn_gated_pairs_kernel,
     gdn_bwd_dqkw_kernel,
     gdn_bwd_wy_kernel,
+    gdn_chunk_cumsum_kernel,
     gdn_fwd_h_kernel,
     gdn_gate_grad_kernel,
     gdn_gated_pair_grad_kernel,
+    gdn_gated_pairs_kernel,
     gdn_intra_kernel,
     gdn_prepare_kernel,
     gdn_recompute_wu_kernel,
@@ -370,8 +370,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
     dh, dh0, dv2 = _bwd_dhu(q if q_gated is None else q_gated, k_states, w, do, dv_local, g_cum, gk_cum,
                             dht, initial_state is not None, scale, layout)
-    del k_gated, q_gated
-    del dv_local
+    del k_gated, q_gated, dv_local
     cfg = gdn_config.select("bwd_dqkw", K, V, dev)
     num_k_tiles = ceil_div(K, cfg.block_k)
     # Without gk and GVA, dq and the WY kernel's dk are final where they are written: straight
@@ -383,16 +382,16 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     if has_gk:
         db = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
-        scratch = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # dP
-        d_a = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)
-    else:
+        d_p = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # from dqkw
+        d_a = torch.empty(B, T, HV, CHUNK, device=dev, dtype=torch.float32)  # from the wy kernel
+    else:  # not written: placeholders
         db = torch.empty(num_k_tiles, B, T, HV, device=dev, dtype=torch.float32) if has_g else dq
-        scratch = dq
+        d_p = d_a = dq
     db_tile_stride = B * T * HV
     chunk_map, cu = _chunk_args(layout, dev)
     launch(gdn_bwd_dqkw_kernel, (layout.num_slots, B * HV, num_k_tiles),
         q, k, v_new, h, dh, do, dv2, g_cum if has_g else q, gk_cum if has_gk else q, dq, dk, dw, db,
-        scratch, chunk_map, cu, T, db_tile_stride, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k,
+        d_p, chunk_map, cu, T, db_tile_stride, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k,
         BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk, IS_VARLEN=layout.is_varlen,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     del h, dh, v_new
@@ -402,7 +401,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     wy_cfg = gdn_config.select("bwd_wy", K, V, dev)
     launch(gdn_bwd_wy_kernel, (layout.num_slots, B * HV),
         k, v, beta, g_cum if has_g else q, gk_cum if has_gk else q, ai, dw, dv2, dk, dk_out, dv, dbeta,
-        db, dg if has_g else q, d_a if has_gk else q, chunk_map, cu, T, db_tile_stride,
+        db, dg if has_g else q, d_a, chunk_map, cu, T, db_tile_stride,
         H=H, HV=HV, K=K, V=V,
         BK=wy_cfg.block_k, BV=wy_cfg.block_v, NK=num_k_tiles, HAS_G=has_g, HAS_GK=has_gk,
         IS_VARLEN=layout.is_varlen, num_warps=wy_cfg.num_warps, num_stages=wy_cfg.num_stages)
@@ -412,7 +411,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
         pair_cfg = gdn_config.select("pair_grad", K, V, dev)
         launch(gdn_gated_pair_grad_kernel,
             (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k) * 4),  # x 16-row blocks
-            q, k, beta, g_cum if has_g else q, gk_cum, scratch, d_a, dq, dk, dbeta, db, chunk_map, cu,
+            q, k, beta, g_cum if has_g else q, gk_cum, d_p, d_a, dq, dk, dbeta, db, chunk_map, cu,
             T, scale, H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
             num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)

@@ -161,13 +161,6 @@ def _square_ptrs(base, tok0, rows, HV: tl.constexpr, hv, cols, n_valid):
 
 
 @triton.jit
-def _row_of(x, r: tl.constexpr, R: tl.constexpr):
-    """Row r of a [R, N] tile, as an [N] vector."""
-    sel = tl.arange(0, R)[:, None] == r
-    return tl.sum(tl.where(sel, x, 0.0), axis=0)
-
-
-@triton.jit
 def _load_last(base, tok0, n_heads, head, n_valid):
     """The scalar at the chunk's last valid row of a [tokens, n_heads] tensor."""
     return tl.load(base + (tok0 + n_valid - 1) * n_heads + head).to(tl.float32)
@@ -271,7 +264,7 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 @triton.jit
 def _key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
                    HAS_G: tl.constexpr):
-    """B (total per-key log decay) of a [16, BK] block of rows."""
+    """B (total per-key log decay: g_cum + gk_cum) of a [rows, BK] tile."""
     gate = _load_tile(gk_cum, tok0, rows, HV, hv, K, cols, n_valid)
     if HAS_G:
         gate += _load_vec(g_cum, tok0, rows, HV, hv, n_valid)[:, None]
