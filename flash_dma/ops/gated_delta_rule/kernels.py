@@ -262,6 +262,13 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _outer_and_block():
+    """Grid axis 2 of the 16-row block kernels, laid out as outer * 4 + (16-row block)."""
+    pid = tl.program_id(2)
+    return pid // 4, pid % 4
+
+
+@triton.jit
 def _key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
                    HAS_G: tl.constexpr):
     """B (total per-key log decay: g_cum + gk_cum) of a [rows, BK] tile."""
@@ -325,9 +332,7 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
     factorised around a reference row r as in the module docstring. Blocks above the diagonal of
     Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
     small programs per chunk instead of all products in the prepare program, which spilled."""
-    block = tl.program_id(2)
-    bi = block // 4
-    bj = block % 4
+    bi, bj = _outer_and_block()
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     rows_i = bi * 16 + sub
@@ -939,9 +944,7 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta,
     their decay factors and k's right-hand factor, so one program does both. One program per
     (chunk, head, K tile, 16-row block b) (grid axis 2: K tile * 4 + b): row b of dP, dA gives the
     gradients of row b's q and beta k, column b those of row b's k."""
-    kb = tl.program_id(2)
-    k_tile = kb // 4
-    blk = kb % 4
+    k_tile, blk = _outer_and_block()
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, 16)
     rows_b = blk * 16 + sub
