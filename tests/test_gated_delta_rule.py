@@ -144,10 +144,12 @@ def test_against_reference(shape):
 @pytest.mark.parametrize("from_inverse", [True, False], ids=["wu-from-T", "wu-recomputed"])
 @pytest.mark.parametrize("shape", [s for s in SHAPES if "kept-T" in s])
 def test_both_ways_of_forming_w_and_u(shape, from_inverse, monkeypatch):
-    """Where T is kept, the forward's state pass forms w and u from it, or a kernel writes them
-    first: both must match the reference whichever the launch rule picks on this machine."""
+    """Where T is kept, the state passes (forward, and the backward's recompute) form w and u from
+    it, or a kernel writes them first (in the backward w only, then): both must match the
+    reference whichever the launch rule picks on this machine."""
     from flash_dma.ops.gated_delta_rule import interface
     monkeypatch.setattr(interface, "STATES_FROM_INVERSE", from_inverse)
+    monkeypatch.setattr(interface, "BACKWARD_STATES_FROM_INVERSE", from_inverse)
     B, T, H, HV, K, V, gate, states = SHAPES[shape]
     dtype = DTYPES[-1]
     check_against_reference(make_inputs(B, T, H, HV, K, V, dtype, gate, states), dtype,
@@ -499,6 +501,7 @@ def test_gpu_real_sizes(shape, dtype):
 def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse, monkeypatch):
     from flash_dma.ops.gated_delta_rule import interface
     monkeypatch.setattr(interface, "STATES_FROM_INVERSE", from_inverse)
+    monkeypatch.setattr(interface, "BACKWARD_STATES_FROM_INVERSE", from_inverse)
     dtype = torch.bfloat16
     if shape == "varlen":
         lengths = [1, 64, 0, 1000, 2500, 31, 500]

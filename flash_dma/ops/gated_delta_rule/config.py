@@ -120,14 +120,18 @@ def _select_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_
     return cfg
 
 
-def forward_states_from_inverse(K: int, sequences_x_heads: int, device: torch.device) -> bool:
-    """Whether the forward's state pass forms w and u from T (one more dependent product per chunk,
-    which costs where few programs run) instead of reading them from the recompute kernel (bytes,
-    which cost where the GPU is full). Forward ms, recompute -> from T, H200 bf16 2026-11-21
-    (bench/results/s9-probes-H200-20261121.txt): B8 T4096 H32 1.408 -> 1.146, B4 T4096 H16
-    0.393 -> 0.364, B2 T8192 H8 K256 0.627 -> 0.585, 32 pairs at K128 0.220 -> 0.213 and
-    0.428 -> 0.423; 16 pairs at K128 0.280 -> 0.299 and 1.060 -> 1.128. The recompute's bytes grow
-    with K, hence pairs x K."""
+def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, backward: bool) -> bool:
+    """Whether a state pass forms w and u from T (one more dependent product per chunk, which
+    costs where few programs run) instead of reading them from the recompute kernel (bytes, which
+    cost where the GPU is full). The recompute's bytes grow with K, hence pairs x K.
+    Forward ms, recompute -> from T, H200 bf16 2026-11-21 (bench/results/s9-probes-H200-20261121.txt):
+    B8 T4096 H32 1.408 -> 1.146, B4 T4096 H16 0.393 -> 0.364, B2 T8192 H8 K256 0.627 -> 0.585,
+    32 pairs at K128 0.220 -> 0.213 and 0.428 -> 0.423; 16 pairs at K128 0.280 -> 0.299 and
+    1.060 -> 1.128: from 32 pairs at K = 128.
+    In the backward the recompute kernel writes w either way (bwd_dhu reads it), so from T spares
+    only u: fwd+bwd ms (s11 probes): B4 T4096 H16 1.497 -> 1.474, B8 T4096 H32 5.585 -> 5.535;
+    B1 T8192 H32 1.675 -> 1.736, B2 T8192 H8 K256 2.144 -> 2.153, B1 T8192 H16 1.031 -> 1.078:
+    from 64 pairs at K = 128."""
     if device.type != "cuda" or interpreter_active():
         return True
-    return sequences_x_heads * K >= 32 * 128
+    return sequences_x_heads * K >= (64 if backward else 32) * 128

@@ -248,35 +248,37 @@ def _backward_reuses_inverse(K: int, V: int, has_gk: bool) -> bool:
     return not has_gk and K % CHUNK == 0 and V % CHUNK == 0
 
 
-def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout):
-    """w and u from the forward's T and gate cumsums (scalar gate only)."""
+def _recompute_wu(k, v, beta, g_cum, ai, layout: ChunkLayout, with_u: bool = True):
+    """w and (with_u) u from the forward's T and gate cumsums (scalar gate only); u None without."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
-    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if with_u else None
     cfg = gdn_config.select("recompute_wu", K, V, dev)
     chunk_map, cu = _chunk_args(layout, dev)
     launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
-        k, v, beta, g_cum if g_cum is not None else w, ai, w, u, chunk_map, cu, T,
+        k, v, beta, g_cum if g_cum is not None else w, ai, w, u if with_u else w, chunk_map, cu, T,
         H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
-        IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_VARLEN=layout.is_varlen, STORE_U=with_u, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, u
 
 
-# None: gdn_config.forward_states_from_inverse decides; True/False force it (tests, A/B scripts).
+# None: gdn_config.states_from_inverse decides; True/False force it (tests, A/B scripts).
 STATES_FROM_INVERSE: bool | None = None
+BACKWARD_STATES_FROM_INVERSE: bool | None = None
 
 
-def _forward_states_from_inverse(layout: ChunkLayout, HV: int, K: int, device) -> bool:
-    """Whether the forward's state pass forms w and u from T itself (no recompute kernel, no w or
-    u in memory). Only where T is kept (_backward_reuses_inverse). The backward keeps the
-    recompute kernel: its bwd_dhu reads w; forming w there was slower (one more dependent product
-    per chunk: 690 -> 1418 us at B8 T4096 H32), and writing w from the state pass gave wrong results
-    on Triton 3.6 / Hopper (bench/NOTES.md, session 9)."""
-    if STATES_FROM_INVERSE is not None:
-        return STATES_FROM_INVERSE
-    return gdn_config.forward_states_from_inverse(K, layout.num_seqs * HV, device)
+def _states_from_inverse(layout: ChunkLayout, HV: int, K: int, device, backward: bool) -> bool:
+    """Whether a state pass forms w and u from T itself (no u, and in the forward no w, in memory).
+    Only where T is kept (_backward_reuses_inverse). The backward's recompute kernel writes w
+    either way: forming w in bwd_dhu was slower (one more dependent product per chunk: 690 -> 1418
+    us at B8 T4096 H32), and writing w from the state pass gave wrong results on Triton 3.6 /
+    Hopper (bench/NOTES.md, session 9)."""
+    forced = BACKWARD_STATES_FROM_INVERSE if backward else STATES_FROM_INVERSE
+    if forced is not None:
+        return forced
+    return gdn_config.states_from_inverse(K, layout.num_seqs * HV, device, backward)
 
 
 def _states(k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout: ChunkLayout, store_final: bool):
@@ -363,10 +365,12 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
                                                                   store_q_gated=True)
     else:
         gk_cum = aqk = k_gated = q_gated = None
-        w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
+        w, u = _recompute_wu(k, v, beta, g_cum, ai, layout,
+                             with_u=not _states_from_inverse(layout, HV, K, dev, backward=True))
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
-    h, v_new, _ = _states(k_states, v, beta, ai, w, u, g_cum, gk_cum, initial_state, layout,
-                          store_final=False)
+    # u None: the state pass forms v_new from T (w is still bwd_dhu's)
+    h, v_new, _ = _states(k_states, v, beta, ai, None if u is None else w, u, g_cum, gk_cum,
+                          initial_state, layout, store_final=False)
     dv_local = _intra(q, k, g_cum, gk_cum, aqk, None, None, do, scale, layout, v.dtype, is_dv=True)
     dh, dh0, dv2 = _bwd_dhu(q if q_gated is None else q_gated, k_states, w, do, dv_local, g_cum, gk_cum,
                             dht, initial_state is not None, scale, layout)
@@ -435,7 +439,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         split = keep_t and SPLIT_PREPARE
         g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(q, k, v, beta, g, gk, scale, layout,
                                                             store_wu=not split)
-        if split and not _forward_states_from_inverse(layout, v.shape[2], k.shape[3], q.device):
+        if split and not _states_from_inverse(layout, v.shape[2], k.shape[3], q.device, backward=False):
             w, u = _recompute_wu(k, v, beta, g_cum, ai, layout)
         h, v_new, final = _states(k if k_gated is None else k_gated, v, beta, ai, w, u, g_cum, gk_cum,
                                   initial_state, layout, output_final_state)

@@ -531,10 +531,10 @@ def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_hea
 def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The backward's w = T diag(beta e^g) K and u = T diag(beta) V, from the T and gate cumsums
-    that the forward kept (scalar gate only): one 64-row product per tile instead of a second
-    prepare."""
+                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr):
+    """The backward's w = T diag(beta e^g) K and (STORE_U) u = T diag(beta) V, from the T and gate
+    cumsums that the forward kept (scalar gate only): one 64-row product per tile instead of a
+    second prepare. Without u the state pass forms v_new from T itself."""
     hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, 64)
     tmat, beta_t = _chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
@@ -543,7 +543,8 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, 
     else:
         row_gate = beta_t
     _t_times_scaled_rows(tmat, row_gate, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid)
-    _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid)
+    if STORE_U:
+        _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -559,7 +560,7 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
     reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
-    programs run (gdn_config.forward_states_from_inverse).
+    programs run (gdn_config.states_from_inverse).
     With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
     head (gdn_chunk_cumsum_kernel writes it), with H = HV."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = _sequence_program(
