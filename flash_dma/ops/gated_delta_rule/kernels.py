@@ -512,7 +512,8 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu_seq
 def _chunk_inverse(ai, beta, tok0, rows, hv, HV: tl.constexpr, n_valid):
     """The chunk's stored T = (I + A)^-1 ([64, 64], zero above the diagonal) and its beta."""
     t_ptrs, t_mask = _square_ptrs(ai, tok0, rows, HV, hv, rows, n_valid)
-    return tl.load(t_ptrs, mask=t_mask, other=0.0), _load_vec(beta, tok0, rows, HV, hv, n_valid)
+    return (tl.load(t_ptrs, mask=t_mask, other=0.0).to(tl.float32),
+            _load_vec(beta, tok0, rows, HV, hv, n_valid))
 
 
 @triton.jit
@@ -880,8 +881,10 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
             kcols = k_start + tl.arange(0, BK)
             k_rows = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
             kkt += tl.dot(k_rows, tl.trans(_load_tile(k, tok0, rows, H, head, K, kcols, n_valid)))
-    # dA = -T^T dT T^T on the strict lower triangle
-    d_a = -tl.dot(tl.dot(tl.trans(tmat), d_t), tl.trans(tmat))
+    # dA = -T^T dT T^T on the strict lower triangle, with 16-bit operands as the other products
+    # here (tf32 before: 1134 -> 1020 us at B8 T4096 H32, errors against fp64 unchanged; s11 probes)
+    tt_k = tl.trans(tmat).to(kdt)
+    d_a = -tl.dot(tl.dot(tt_k, d_t.to(kdt)).to(kdt), tt_k)
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
     if HAS_GK:
         da_ptrs, da_mask = _square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
@@ -894,7 +897,6 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         else:
             d_ag = d_a
         dbeta_t += tl.sum(d_ag * kkt, axis=1)
-    tt_k = tl.trans(tmat).to(kdt)
     gate_t = tl.zeros([64], dtype=tl.float32)
     if not HAS_GK:
         x_dab = d_ag * beta_t[:, None]
