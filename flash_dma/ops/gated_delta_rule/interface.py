@@ -230,7 +230,7 @@ def _prepare(q, k, v, beta, g, gk, scale, layout: ChunkLayout, store_wu: bool = 
             IS_VARLEN=layout.is_varlen,
             num_warps=scan_cfg.num_warps, num_stages=scan_cfg.num_stages)
         pairs_cfg = gdn_config.select("gated_pairs", K, V, dev)
-        launch(gdn_gated_pairs_kernel, (layout.num_slots, B * HV, 16),
+        launch(gdn_gated_pairs_kernel, (layout.num_slots * 16, B * HV),
             q, k, g_cum if has_g else gk_cum, gk_cum, ai, aqk, chunk_map, cu, T, scale,
             H=H, HV=HV, K=K, BK=pairs_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
             num_warps=pairs_cfg.num_warps, num_stages=pairs_cfg.num_stages)
@@ -400,7 +400,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
         d_p = d_a = dq
     db_tile_stride = B * T * HV
     chunk_map, cu = _chunk_args(layout, dev)
-    launch(gdn_bwd_dqkw_kernel, (layout.num_slots, B * HV, num_k_tiles),
+    launch(gdn_bwd_dqkw_kernel, (layout.num_slots * num_k_tiles, B * HV),
         q, k, v_new, h, dh, do, dv2, g_cum if has_g else q, gk_cum if has_gk else q, dq, dk, dw, db,
         d_p, chunk_map, cu, T, db_tile_stride, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k,
         BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk, IS_VARLEN=layout.is_varlen,
@@ -421,7 +421,7 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
         # both pairwise matrices' gradients at once (after the wy kernel: all adds commute)
         pair_cfg = gdn_config.select("pair_grad", K, V, dev)
         launch(gdn_gated_pair_grad_kernel,
-            (layout.num_slots, B * HV, ceil_div(K, pair_cfg.block_k) * 4),  # x 16-row blocks
+            (layout.num_slots * ceil_div(K, pair_cfg.block_k) * 4, B * HV),  # x 16-row blocks
             q, k, beta, g_cum if has_g else q, gk_cum, d_p, d_a, dq, dk, dbeta, db, chunk_map, cu,
             T, scale, H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
             num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)

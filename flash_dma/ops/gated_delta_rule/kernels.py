@@ -63,11 +63,23 @@ def _chunk_of_slot(slot, batch, chunk_map, cu_seqlens, T, IS_VARLEN: tl.constexp
 def _chunk_program(chunk_map, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """A chunk-parallel program's (value head, q/k head, first token, valid rows, global chunk)
     from its grid position (chunk slot, batch x value head)."""
-    slot = tl.program_id(0)
+    hv, head, tok0, n_valid, chunk, _ = _chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, 1)
+    return hv, head, tok0, n_valid, chunk
+
+
+@triton.jit
+def _chunk_part_program(chunk_map, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr,
+                        IS_VARLEN: tl.constexpr, PARTS: tl.constexpr):
+    """The same for kernels with PARTS programs per chunk (K tiles, 16-row blocks), plus the part:
+    grid axis 0 is chunk slot * PARTS + part, so that a chunk's parts, which read the same tiles,
+    run side by side and share them in L2 (as a slower grid axis the tiles came from DRAM again
+    for each part)."""
+    pid = tl.program_id(0)
+    slot = pid // PARTS
     bhv = tl.program_id(1)
     hv = bhv % HV
     tok0, n_valid, chunk = _chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
-    return hv, hv // (HV // H), tok0, n_valid, chunk
+    return hv, hv // (HV // H), tok0, n_valid, chunk, pid % PARTS
 
 
 @triton.jit
@@ -262,10 +274,9 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _outer_and_block():
-    """Grid axis 2 of the 16-row block kernels, laid out as outer * 4 + (16-row block)."""
-    pid = tl.program_id(2)
-    return pid // 4, pid % 4
+def _outer_and_block(part):
+    """The part of a 16-row block kernel's program, laid out as outer * 4 + (16-row block)."""
+    return part // 4, part % 4
 
 
 @triton.jit
@@ -326,14 +337,14 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """With the per-key gate: one 16x16 block (I, J) of a chunk's gated pair products per program
-    (grid axis 2: I * 4 + J), with B the total per-key log decay,
+    (part I * 4 + J of the chunk's 16 on grid axis 0), with B the total per-key log decay,
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
     factorised around a reference row r as in the module docstring. Blocks above the diagonal of
     Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
     small programs per chunk instead of all products in the prepare program, which spilled."""
-    bi, bj = _outer_and_block()
-    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    hv, head, tok0, n_valid, _, part = _chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, 16)
+    bi, bj = _outer_and_block(part)
     sub = tl.arange(0, 16)
     rows_i = bi * 16 + sub
     rows_j = bj * 16 + sub
@@ -771,8 +782,8 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         dw = -dv2 h^T
     and the gate terms dB (before the reverse cumsum). With gk the dP products are left to
     gdn_gated_pair_grad_kernel: dP is stored instead."""
-    k_tile = tl.program_id(2)
-    hv, head, tok0, n_valid, chunk = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    hv, head, tok0, n_valid, chunk, k_tile = _chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
     rows = tl.arange(0, 64)
     kcols = k_tile * BK + tl.arange(0, BK)
     dqg = tl.zeros([64, BK], dtype=tl.float32)
@@ -945,10 +956,11 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta,
     given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk, dbeta and the
     per-key gate terms db, with the forward's factorisation around reference rows. Both share
     their decay factors and k's right-hand factor, so one program does both. One program per
-    (chunk, head, K tile, 16-row block b) (grid axis 2: K tile * 4 + b): row b of dP, dA gives the
+    (chunk, head, K tile, 16-row block b) (part K tile * 4 + b on grid axis 0): row b of dP, dA gives the
     gradients of row b's q and beta k, column b those of row b's k."""
-    k_tile, blk = _outer_and_block()
-    hv, head, tok0, n_valid, _ = _chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    NK: tl.constexpr = (K + BK - 1) // BK
+    hv, head, tok0, n_valid, _, part = _chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK * 4)
+    k_tile, blk = _outer_and_block(part)
     sub = tl.arange(0, 16)
     rows_b = blk * 16 + sub
     valid_b = rows_b < n_valid
