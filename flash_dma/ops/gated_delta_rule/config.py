@@ -58,12 +58,11 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, 16, num_warps=2, num_stages=1)
     if kernel == "recompute_wu":  # no software pipeline: the fastest in the sweep
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
-    if kernel == "bwd_dqkw":  # 64-wide K tiles with 4 warps up to K = 128 (B8 T4096 H32 1476 ->
-        # 1449 us, B1 T32768 H16 740 -> 702 against all of K in one 8-warp tile, which reads do,
-        # v_new, dv2 once); at K = 256 128-wide tiles (460 against 493 us; s11 probes, run 4)
-        if kp <= 128:
-            return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2)
-        return GdnConfig(128, min(vp, 64), num_warps=8, num_stages=3)
+    if kernel == "bwd_dqkw":  # 64-wide K tiles, 4 warps, 3 stages: once a chunk's K-tile programs
+        # ran side by side (sharing do, v_new, dv2 in L2) the best at every size tried against
+        # all of K in one 8-warp tile: B8 T4096 H32 1488 -> 1271 us, K = 256 445 -> 386 (H200,
+        # bench/results/s11-probes-H200-20261121.txt, runs 3-6)
+        return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
     return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
 
 
