@@ -12,8 +12,9 @@ Forward (interface.py chains them):
   gdn_fwd_h_kernel     sequential over chunks: states h[c] and v_new = u - w h[c].
   gdn_intra_kernel     chunk-parallel: o = scale (q e^B) h[c] + P v_new with P = scale Tril(q k^T . Gamma);
                        the same kernel computes P^T do for the backward.
-Backward: w and u again from the forward's T (gdn_recompute_wu_kernel; with gk the whole
-prepare), the states again (no per-chunk state is kept), then
+Backward: w (and where the state pass does not form v_new from T, u) again from the forward's T
+(gdn_recompute_wu_kernel; with gk the whole prepare), the states again (no per-chunk state is
+kept), then
   gdn_bwd_dhu_kernel   sequential, reverse: the state gradients (the public bwd_dhu pass).
   gdn_bwd_dqkw_kernel  chunk-parallel: dq, the state/intra parts of dk, dw, gate terms.
   gdn_bwd_wy_kernel    chunk-parallel: back through T, w and u: dk, dv, dbeta, gate terms, dg.
@@ -26,7 +27,9 @@ r is B at the first row of block I, so both factors are <= 1. Inside a diagonal 
 middle row, so factors stay below e^(8 |gk|) (exact unless the key decay per token is below e^-11).
 
 Varlen: programs of chunk-parallel kernels are chunk slots; a slot maps to (sequence, chunk) through
-`chunk_map` (built on the device, no host sync); unused slots exit at once.
+`chunk_map` (built on the device, no host sync); unused slots exit at once. Kernels with several
+programs per chunk (K tiles, 16-row blocks) put them side by side on grid axis 0, so that they
+share the chunk's tiles in L2 (_chunk_part_program).
 """
 import triton
 import triton.language as tl
