@@ -912,17 +912,24 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
             d_ag = d_a
         dbeta_t += tl.sum(d_ag * kkt, axis=1)
     gate_t = tl.zeros([64], dtype=tl.float32)
+    if HAS_G and not HAS_GK:  # dqkw's partial gate row sums, one per K tile of its
+        for i in range(NK):
+            gate_t += _load_vec(db + i * db_tile_stride, tok0, rows, HV, hv, n_valid)
     if not HAS_GK:
         x_dab = d_ag * beta_t[:, None]
         sym_dab = (x_dab + tl.trans(x_dab)).to(kdt)
     for k_start in range(0, K, BK):
         kcols = k_start + tl.arange(0, BK)
+        # dqkw's part of dk first: an elementwise operand, not pipelined like the product operands,
+        # so its load latency overlaps the product below (the WY kernel's top stall where it was
+        # read after it; ncu, s11)
+        dk_t = _load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid).to(tl.float32)
         k_t = _load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
         dw_t = _load_tile(dw, tok0, rows, HV, hv, K, kcols, n_valid).to(kdt)
         bt, _b_last = _total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
         kbase = k_t.to(tl.float32) * tl.exp(bt)
         dkb = tl.dot(tt_k, dw_t)
-        dk_t = _load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid) + dkb * tl.exp(bt) * beta_t[:, None]
+        dk_t += dkb * tl.exp(bt) * beta_t[:, None]
         dbeta_t += tl.sum(dkb * kbase, axis=1)
         gate_w = kbase * beta_t[:, None] * dkb
         if HAS_GK:
@@ -937,8 +944,6 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
     if HAS_G and not HAS_GK:
         m = d_ag * kkt * beta_t[:, None]  # dA . A
         gate_t += tl.sum(m, axis=1) - tl.sum(m, axis=0)
-        for i in range(NK):
-            gate_t += _load_vec(db + i * db_tile_stride, tok0, rows, HV, hv, n_valid)
         _store_vec(dg, _reverse_cumsum(gate_t), tok0, rows, HV, hv, n_valid)
 
 
