@@ -187,7 +187,7 @@ SPLIT_PREPARE = True
 def _inverse_precision(dtype: torch.dtype) -> str:
     """Products of the blockwise inverse T = (I + A)^-1: on tf32 tensor cores for 16-bit inputs,
     whose w = T diag(beta e^B) K and u = T diag(beta) V are rounded to 8 or 11 significant bits
-    anyway (and whose WY backward multiplies T in tf32 already): prepare 500 -> 276 us at
+    anyway (as T itself is, where it is stored for the backward): prepare 500 -> 276 us at
     B8 T4096 H32 bf16 on an H200, errors against fp64 unchanged at T = 4096 (bench/NOTES.md,
     session 8). fp32 inputs keep exact fp32 products."""
     return "ieee" if dtype == torch.float32 else "tf32"
