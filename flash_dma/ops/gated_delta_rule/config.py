@@ -71,7 +71,7 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
     the GPU is not full, bandwidth-bound after (each V tile re-reads q, k, w). Measured on an
     H200 at K = V = 128 (bench/NOTES.md, 2026-11-21): the narrowest tile that still fills the
     SMs with 4 warps and 3 stages; once 64-wide tiles are needed, 8 warps and 3 stages (4 warps
-    spill the [K, 64] state), except for the forward pass past one wave (4 warps, 2 stages)."""
+    spill the [K, 64] state), except for the forward pass past one wave (4 warps)."""
     stages = 3 if kp <= 128 else 2  # K = 256: three stages of q/k/w tiles overflow shared memory
     for width in (16, 32):
         if width < vp and pairs * (vp // width) <= sm_count:
@@ -82,7 +82,9 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
         return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
     width = min(vp, 64)
     if kernel in ("fwd_h", "fwd_h_from_t") and pairs * (vp // width) > sm_count:
-        return GdnConfig(kp, width, num_warps=4, num_stages=2)
+        # 3 stages since T is read in 16 bits: B8 T4096 H32 from T 1043 -> 890 us (fwd + bwd
+        # calls) against 2 stages (H200, s11 probes run 13)
+        return GdnConfig(kp, width, num_warps=4, num_stages=stages)
     return GdnConfig(kp, width, num_warps=8, num_stages=stages)
 
 

@@ -420,11 +420,14 @@ def _backward(q, k, v, g, gk, beta, scale, initial_state, layout, do, dht, g_cum
     if has_gk:
         # both pairwise matrices' gradients at once (after the wy kernel: all adds commute)
         pair_cfg = gdn_config.select("pair_grad", K, V, dev)
+        pair_k_tiles = ceil_div(K, pair_cfg.block_k)
+        dbeta_parts = torch.empty(pair_k_tiles, B, T, HV, device=dev, dtype=torch.float32)
         launch(gdn_gated_pair_grad_kernel,
-            (layout.num_slots * ceil_div(K, pair_cfg.block_k) * 4, B * HV),  # x 16-row blocks
-            q, k, beta, g_cum if has_g else q, gk_cum, d_p, d_a, dq, dk, dbeta, db, chunk_map, cu,
-            T, scale, H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g, IS_VARLEN=layout.is_varlen,
-            num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
+            (layout.num_slots * pair_k_tiles * 4, B * HV),  # x 16-row blocks
+            q, k, beta, g_cum if has_g else q, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, chunk_map,
+            cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=pair_cfg.block_k, HAS_G=has_g,
+            IS_VARLEN=layout.is_varlen, num_warps=pair_cfg.num_warps, num_stages=pair_cfg.num_stages)
+        dbeta += dbeta_parts.sum(0)
         dgk = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
         launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
             db, dg if has_g else q, dgk, chunk_map, cu, T, HV=HV, K=K,

@@ -954,9 +954,9 @@ def _load_square_block(base, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.cons
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta, db,
-                               chunk_map, cu_seqlens, T, scale,
+@triton.jit(do_not_specialize=["T", "part_stride"])
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db,
+                               chunk_map, cu_seqlens, T, part_stride, scale,
                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
@@ -1016,9 +1016,10 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta,
     ptrs, mask = _tile_ptrs(dk, tok0, rows_b, HV, hv, K, cols, n_valid)
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_b + beta_b * dka_b + dkc_b,
              mask=mask)
-    # dbeta: one K tile's share, accumulated with atomics across tiles
-    bptrs, bmask = _vec_ptrs(dbeta, tok0, rows_b, HV, hv, n_valid)
-    tl.atomic_add(bptrs, tl.sum(k_b * dka_b, axis=1), mask=bmask)
+    # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a fixed
+    # order: atomics across tiles made dbeta vary in its last bits from run to run)
+    _store_vec(dbeta_parts + k_tile.to(tl.int64) * part_stride, tl.sum(k_b * dka_b, axis=1),
+               tok0, rows_b, HV, hv, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
