@@ -912,7 +912,7 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
             d_ag = d_a
         dbeta_t += tl.sum(d_ag * kkt, axis=1)
     gate_t = tl.zeros([64], dtype=tl.float32)
-    if HAS_G and not HAS_GK:  # dqkw's partial gate row sums, one per K tile of its
+    if HAS_G and not HAS_GK:  # dqkw's partial gate row sums, one per dqkw K tile
         for i in range(NK):
             gate_t += _load_vec(db + i * db_tile_stride, tok0, rows, HV, hv, n_valid)
     if not HAS_GK:
