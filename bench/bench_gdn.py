@@ -1,7 +1,7 @@
 """The chunked gated delta rule beside flash-linear-attention 0.6.0: the whole op (fwd, bwd,
 fwd+bwd) and the state-gradient pass bwd_dhu, in one process.
 
-    python bench/bench_gdn.py [--quick] [--only gdn|dhu]
+    python bench/bench_gdn.py [--quick] [--only gdn|dhu] [--cases LABELS --tag TAG]
 
 The same as `flash-dma bench gdn` followed by `flash-dma bench dhu`, in one report, written
 under bench/results/ as gdn-<GPU>-<date>.txt and .json. FLA comes from .peers/ (anchors.md):
@@ -11,7 +11,11 @@ under bench/results/ as gdn-<GPU>-<date>.txt and .json. FLA comes from .peers/ (
 
 Without FLA the sections show our times only, with a note. FLA's first call of each new shape
 family autotunes for about 100 s (untimed; the notes say how long), so the full run takes
-several minutes; bwd_dhu alone (--only dhu) about three.
+several minutes; bwd_dhu alone (--only dhu) about three. Where a machine is lent for less time
+than that, run the op report in parts: --cases picks op-plan cases by label (comma-separated),
+--tag names the part's files, e.g.
+
+    python bench/bench_gdn.py --only gdn --cases "B8 T4096 H32,B2 T8192 H8 K256 V256" --tag b
 """
 import argparse
 import datetime
@@ -22,12 +26,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from flash_dma.cli import run_bench  # noqa: E402
+from flash_dma.cli import parse_cases, run_bench  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of configurations")
     parser.add_argument("--only", choices=("gdn", "dhu"), help="one of the two benchmarks")
+    parser.add_argument("--cases", metavar="LABELS", help="some cases of the op plan, by label, comma-separated")
+    parser.add_argument("--tag", default="", help="appended to the result files' names (parts of one report)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py: no CUDA GPU here; nothing can be timed (flash-dma bench runs the "
@@ -37,5 +43,7 @@ if __name__ == "__main__":
     device = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     ops = (args.only,) if args.only else ("gdn", "dhu")
     name = "gdn" if args.only in (None, "gdn") else "dhu"
-    stem = os.path.join(out, f"{name}-{device}-{datetime.date.today():%Y%m%d}{'-quick' if args.quick else ''}")
-    sys.exit(run_bench(ops, args.quick, json_path=stem + ".json", report=stem + ".txt"))
+    stem = os.path.join(out, f"{name}-{device}-{datetime.date.today():%Y%m%d}{'-quick' if args.quick else ''}"
+                             f"{'-' + args.tag if args.tag else ''}")
+    sys.exit(run_bench(ops, args.quick, json_path=stem + ".json", report=stem + ".txt",
+                       gdn_cases=parse_cases(args.cases)))

@@ -57,13 +57,15 @@ def _runner(op: str):
 
 
 def run_bench(ops, quick: bool = False, json_path: str | None = None, plot: str | None = None,
-              report: str | None = None) -> int:
-    """Time the given ops on this GPU, print one report, write the files asked for."""
+              report: str | None = None, gdn_cases=None) -> int:
+    """Time the given ops on this GPU, print one report, write the files asked for. gdn_cases:
+    labels of the gdn op plan to run (all when None)."""
     from .benchmarks.common import environment, format_report, write_json, write_plot
     env = environment()
     sections, notes = [], []
     for op in ops:
-        secs, op_notes = _runner(op)(quick, _progress(op))
+        extra = {"cases": gdn_cases} if op == "gdn" and gdn_cases else {}
+        secs, op_notes = _runner(op)(quick, _progress(op), **extra)
         sections += secs
         notes += [n for n in op_notes if n not in notes]
     title = "flash-dma bench " + "+".join(ops) + (" (quick)" if quick else "")
@@ -93,7 +95,7 @@ def bench(args) -> int:
             print("flash-dma bench: the correctness check FAILED", file=sys.stderr)
         return 0
     ops = OPS if args.op == "all" else (args.op,)
-    return run_bench(ops, args.quick, args.json, args.plot, args.report)
+    return run_bench(ops, args.quick, args.json, args.plot, args.report, parse_cases(args.cases))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="write every number with its metadata")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of throughput against length")
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")
+    b.add_argument("--cases", metavar="LABELS", help="gdn: some cases of the op plan, by label, "
+                   "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256')")
     return parser
+
+
+def parse_cases(text: str | None) -> list[str] | None:
+    """'a, b' -> ['a', 'b']; None or empty -> None (every case)."""
+    labels = [part.strip() for part in (text or "").split(",") if part.strip()]
+    return labels or None
 
 
 def main(argv=None) -> int:

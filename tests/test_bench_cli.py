@@ -157,6 +157,19 @@ def test_op_plan_covers_the_issue():
     assert len(gdn.op_plan(quick=True)) >= 1
 
 
+def test_op_plan_cases_by_label():
+    picked = gdn.op_plan(quick=False, cases=["B8 T4096 H32", "B2 T8192 H8 K256 V256"])
+    assert [(c.B, c.T, c.H, c.K) for c in picked] == [(8, 4096, 32, 128), (2, 8192, 8, 256)]
+    assert [c.label for c in gdn.op_plan(False, ["B2 T4096 H16 KDA"])] == ["B2 T4096 H16 KDA"]
+    with pytest.raises(ValueError, match="not in the op plan"):
+        gdn.op_plan(quick=False, cases=["B3 T5 H7"])
+    from flash_dma.cli import parse_cases
+    assert parse_cases(" B8 T4096 H32 , B1 T8192 H16 h0+ht") == ["B8 T4096 H32", "B1 T8192 H16 h0+ht"]
+    assert parse_cases("") is None and parse_cases(None) is None
+    args = build_parser().parse_args(["bench", "gdn", "--cases", "B8 T4096 H32"])
+    assert args.cases == "B8 T4096 H32"
+
+
 def test_chunk_local_cumsum_restarts_at_chunks_and_sequences():
     seqlens = (5, 1, 10)
     x = torch.randn(1, 16, 3)
@@ -319,7 +332,7 @@ def test_dhu_sections_with_a_peer_format_and_round_trip(monkeypatch, tmp_path):
 
 
 def test_op_section_with_and_without_a_peer(monkeypatch):
-    monkeypatch.setattr(gdn, "op_plan", lambda quick: [gdn.OpCase(1, 20, 2, 8, 8),
+    monkeypatch.setattr(gdn, "op_plan", lambda quick, cases=None: [gdn.OpCase(1, 20, 2, 8, 8),
                                                        gdn.OpCase(1, 20, 2, 8, 8, states=True),
                                                        gdn.OpCase(1, 20, 2, 8, 8, per_key_gate=True)])
     ours = _fake_fla().op
