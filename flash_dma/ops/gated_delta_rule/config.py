@@ -58,11 +58,10 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, 16, num_warps=2, num_stages=1)
     if kernel == "recompute_wu":  # no software pipeline: the fastest in the sweep
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
-    if kernel == "bwd_dqkw":  # 64-wide K tiles, 4 warps, 3 stages: once a chunk's K-tile programs
-        # ran side by side (sharing do, v_new, dv2 in L2) the best at every size tried against
-        # all of K in one 8-warp tile: B8 T4096 H32 1488 -> 1271 us, K = 256 445 -> 386 (H200,
-        # bench/results/s11-probes-H200-20261121.txt, runs 3-6)
-        return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
+    # bwd_wy, and bwd_dqkw: once a chunk's K-tile programs ran side by side (sharing do, v_new,
+    # dv2 in L2) 64-wide K tiles with 4 warps were the best at every size tried, against all of
+    # K in one 8-warp tile: B8 T4096 H32 1488 -> 1271 us, K = 256 445 -> 386 (H200,
+    # bench/results/s11-probes-H200-20261121.txt, runs 3-6)
     return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
 
 
