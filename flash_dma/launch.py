@@ -12,13 +12,21 @@ the type of every other scalar, each descriptor's dtype, alignment, block shape,
 strides, the keyword arguments (constexprs and launch options) and the device. A signature not
 seen before goes through Triton's own launch path, which compiles as usual.
 
+`compile_ahead` serves an op's first call on new compile-time constants: inside it, launch()
+compiles and loads kernels in a thread pool instead of running them, so a dry run of the op's
+forward and backward there readies all their kernels in parallel (the gated delta rule's first
+fwd+bwd on an empty Triton cache, H200 host: 10.1-13.2 -> 5.1-7.2 s; bench/first_call_gdn.py).
+
 Used only where verified: Triton 3.6 (the internals read here are not a stable API), on a GPU,
 not in the interpreter, and not when FLASH_DMA_FAST_LAUNCH=0.
 """
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -89,9 +97,57 @@ def _constexpr_tail(kernel, args: tuple, kwargs: dict) -> tuple | None:
     return tuple(tail)
 
 
+# Inside compile_ahead, in the thread that entered it (other threads launch as usual): the
+# (kernel, device) pairs to load once compiled.
+_AHEAD = threading.local()
+
+
+def compile_ahead_enabled() -> bool:
+    """Where compile_ahead works as verified (as fast launches); FLASH_DMA_COMPILE_AHEAD=0 turns
+    it off."""
+    return fast_launch_enabled() and os.environ.get("FLASH_DMA_COMPILE_AHEAD", "1") != "0"
+
+
+@contextmanager
+def compile_ahead(workers: int | None = None):
+    """Inside, launch() runs nothing: it hands each kernel's compilation to a thread pool
+    (Triton's AsyncCompileMode). On exit every kernel is compiled, then loaded (_load_ahead), in
+    the same pool, so a dry run of an op inside makes its first real call find its kernels
+    ready, made in parallel rather than one after another (Triton's compiler and the host
+    compiler it runs release the GIL for most of their work)."""
+    pending: list = []
+    with ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1)) as pool:
+        with triton.AsyncCompileMode(pool):
+            _AHEAD.pending = pending
+            try:
+                yield
+            finally:
+                _AHEAD.pending = None
+        for compiled, device in pending:
+            pool.submit(_load_ahead, compiled, device)
+
+
+def _load_ahead(compiled, device: int) -> None:
+    """What Triton would otherwise do at a kernel's first launch: build its launcher (a C module
+    compiled with the host's C compiler, about half a second per kernel signature on an empty
+    cache) and load the binary onto the GPU. An error here (a kernel that does not fit) is left
+    for the real launch to raise."""
+    if hasattr(compiled, "result"):  # a FutureKernel, finished by now
+        compiled = compiled.result(ignore_errors=True)
+    if compiled is not None:
+        with torch.cuda.device(device):
+            compiled._init_handles()
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), remembering Triton's choice of compiled kernel."""
     global _ENABLED
+    pending = getattr(_AHEAD, "pending", None)
+    if pending is not None:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        if compiled is not None:
+            pending.append((compiled, triton.runtime.driver.active.get_current_device()))
+        return
     if _ENABLED is None:
         _ENABLED = fast_launch_enabled()
     if not _ENABLED:

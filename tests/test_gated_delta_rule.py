@@ -514,6 +514,33 @@ def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["g", "gk"])
+def test_gpu_first_call_compiles_every_kernel_ahead(gate, monkeypatch):
+    """The first call's dry run (compiling and loading in parallel) must cover every launch of
+    its forward and backward: nothing may compile or load once the real call runs. Head count 3
+    and K = 96 are constants no other test uses, so the kernels are new here."""
+    import triton
+    from flash_dma import launch as launch_mod
+    from flash_dma.ops.gated_delta_rule import interface
+    if not launch_mod.compile_ahead_enabled():
+        pytest.skip("compile-ahead is off here (Triton version or FLASH_DMA_COMPILE_AHEAD=0)")
+    late = []
+    original = interface._compile_ahead
+
+    def then_watch(args, backward):
+        original(args, backward)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                            lambda *a, **kw: late.append(("compiled", kw.get("repr", "?"))))
+        monkeypatch.setattr(triton.knobs.runtime, "kernel_load_start_hook",
+                            lambda module, function, name, *a: late.append(("loaded", name)))
+
+    monkeypatch.setattr(interface, "_compile_ahead", then_watch)
+    inputs = make_inputs(1, 300, 3, 3, 96, 64, torch.bfloat16, gate, True)
+    check_against_reference(inputs, torch.bfloat16, output_final_state=True)
+    assert not late, f"during the real call: {late}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["g", "g+gk", "none"])
 def test_gpu_backward_is_repeatable(gate):
     """The same inputs give bitwise the same gradients: a race in a pipelined loop once made dg and

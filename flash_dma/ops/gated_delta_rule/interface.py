@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from ...config import ceil_div
-from ...launch import launch
+from ...launch import compile_ahead, compile_ahead_enabled, launch
 from ...tensor_cache import TensorKeyedCache
 from ...validation import check_same_device, check_shape, check_tensor
 from . import config as gdn_config
@@ -473,6 +474,43 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
 
 
+# compile-time signatures whose kernels were compiled ahead (see _compile_ahead)
+_COMPILED_AHEAD: set = set()
+
+
+def _compile_ahead(args: tuple, backward: bool) -> None:
+    """On the first call with a new set of compile-time constants (dtypes, heads, head dims,
+    gates, states, layout), compile the kernels that this call's forward (and backward) will
+    launch, in parallel, before running it: a dry run of both in which every launch only hands
+    its compilation to a thread pool (launch.compile_ahead). The dry run allocates the buffers of
+    one forward and backward once. The real launches then find their kernels compiled; one the
+    dry run missed would compile as usual."""
+    if not compile_ahead_enabled() or torch.cuda.is_current_stream_capturing():
+        return
+    q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens = args
+    layout = chunk_layout(q.shape[0], q.shape[1], cu_seqlens)
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    # The number of (sequence, head) pairs sets some kernels' tiles and stages; T only Triton's
+    # divisibility specialisation.
+    pairs = layout.num_seqs * HV
+    pair_choices = tuple(gdn_config.select(name, K, V, q.device, pairs)
+                         for name in ("fwd_h", "fwd_h_from_t", "bwd_dhu"))
+    pair_choices += tuple(_states_from_inverse(layout, HV, K, q.device, way) for way in (False, True))
+    key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
+           g is not None, gk is not None, initial_state is not None, output_final_state,
+           layout.is_varlen, q.shape[1] % 16 == 0, pair_choices, backward)
+    if key in _COMPILED_AHEAD:
+        return
+    _COMPILED_AHEAD.add(key)
+    ctx = SimpleNamespace()
+    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+    with torch.no_grad(), compile_ahead():
+        o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args)
+        if backward:
+            ChunkGatedDeltaRuleFunction.backward(ctx, torch.empty_like(o),
+                                                 None if final is None else torch.empty_like(final))
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum x^2 + 1e-6) over the head dim, in fp32 (autograd handles its backward)."""
     xf = x.float()
@@ -506,9 +544,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         v = torch.nn.functional.pad(v, (0, pad_v))
         if initial_state is not None:
             initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
-    o, final = ChunkGatedDeltaRuleFunction.apply(_rows(q), _rows(k), _rows(v), g32, gk32, _rows(beta),
-                                                 float(scale), initial_state, bool(output_final_state),
-                                                 cu_seqlens)
+    args = (_rows(q), _rows(k), _rows(v), g32, gk32, _rows(beta), float(scale), initial_state,
+            bool(output_final_state), cu_seqlens)
+    _compile_ahead(args, backward=torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state)))
+    o, final = ChunkGatedDeltaRuleFunction.apply(*args)
     if pad_v:
         o = o[..., :V]
         final = None if final is None else final[..., :V]
