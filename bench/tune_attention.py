@@ -22,7 +22,7 @@ from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
 
 C = config.LaunchConfig
 CANDIDATES = {
-    "attn_fwd": [C(128, 64, 8, 3), C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 64, 4, 3),
+    "attn_fwd": [C(128, 64, 8, 3), C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 128, 8, 3), C(128, 64, 4, 3),
                  C(128, 64, 8, 3, exp2_poly=True), C(128, 64, 4, 3, exp2_poly=True),
                  C(128, 128, 8, 2, exp2_poly=True), C(64, 64, 4, 3)],
     "attn_bwd_dkdv": [C(64, 64, 4, 2), C(64, 64, 8, 2), C(64, 64, 4, 3), C(32, 64, 4, 3),
@@ -78,7 +78,8 @@ def main():
                         interface.select_config = real_select
 
                 block_d = config.head_dim_block(d)
-                fits = [c for c in cands if config.estimate_shared_memory(kernel, c, block_d, 2) <= 227 * 1024]
+                fits = [c for c in cands
+                        if config.estimate_shared_memory(kernel, c, block_d, 2, bias is not None) <= 227 * 1024]
                 timings = {}
 
                 def recorder(cfg, kernel=kernel):

@@ -13,8 +13,20 @@ def test_defaults_fit_shared_memory():
     for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
         for d in (32, 64, 128, 256):
             for info in (small, hopper):
-                cfg = config.default_config(kernel, info, d)
-                assert config.estimate_shared_memory(kernel, cfg, d, 2) <= info.shared_memory_per_block
+                for variant in ("", "bias", "plain", "plain-dense"):
+                    cfg = config.default_config(kernel, info, d, 2, variant)
+                    staged_bias = not variant.startswith("plain")
+                    assert config.estimate_shared_memory(kernel, cfg, d, 2, staged_bias) \
+                        <= info.shared_memory_per_block, (kernel, d, info.name, variant, cfg)
+
+
+def test_forward_without_bias_stages_no_bias_tile():
+    """The no-mask, no-bias forward at D128 keeps its 3 stages of 128-key tiles on Hopper (they
+    fit only because no bias tile is staged); a bias would not fit them."""
+    hopper = DeviceInfo("hopper", 90, 132, 227 * 1024, 0)
+    cfg = config.default_config("attn_fwd", hopper, 128, 2, "plain-dense")
+    assert (cfg.block_n, cfg.num_stages) == (128, 3)
+    assert config.estimate_shared_memory("attn_fwd", cfg, 128, 2, bias=True) > hopper.shared_memory_per_block
 
 
 def test_variant_defaults_fall_back_to_their_longest_listed_prefix():
