@@ -79,7 +79,7 @@ def main():
 
                 block_d = config.head_dim_block(d)
                 fits = [c for c in cands
-                        if config.estimate_shared_memory(kernel, c, block_d, 2, bias is not None) <= 227 * 1024]
+                        if config.estimate_shared_memory(kernel, c, block_d, 2, 2 if bias is not None else 0) <= 227 * 1024]
                 timings = {}
 
                 def recorder(cfg, kernel=kernel):

@@ -104,21 +104,21 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
 
 
 def estimate_shared_memory(kernel: str, cfg: LaunchConfig, block_d: int, elem_bytes: int,
-                           bias: bool = True) -> int:
+                           bias_bytes: int = 4) -> int:
     """Rough bytes of shared memory a configuration needs (operands staged per pipeline stage).
-    bias=False: the forward stages no bias tile (a call without one)."""
+    bias_bytes: the bias's element size where the forward stages a bias tile, 0 where it has none."""
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kernel == "attn_fwd":  # Q resident, K and V streamed, plus a bias tile per stage
-        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + (m * n * 4 if bias else 0))
+        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * bias_bytes)
     if kernel == "attn_bwd_dkdv":  # K, V resident, Q and dO streamed
         return 2 * n * block_d * elem_bytes + s * (2 * m * block_d * elem_bytes + m * n * 4)
     return 2 * m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * 4)
 
 
 def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: int,
-                   elem_bytes: int, bias: bool) -> LaunchConfig:
+                   elem_bytes: int, bias_bytes: int) -> LaunchConfig:
     budget = info.shared_memory_per_block
-    while estimate_shared_memory(kernel, cfg, block_d, elem_bytes, bias) > budget:
+    while estimate_shared_memory(kernel, cfg, block_d, elem_bytes, bias_bytes) > budget:
         if cfg.num_stages > 1:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
         elif max(cfg.block_m, cfg.block_n) > 16:
@@ -149,7 +149,17 @@ def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int 
     if not info.is_hopper:
         # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)
-    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes, bias=not variant.startswith("plain"))
+    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes, variant_bias_bytes(variant, elem_bytes))
+
+
+def variant_bias_bytes(variant: str, elem_bytes: int) -> int:
+    """Bytes per element of the bias tile a variant stages: none for "plain...", 4 for an fp32
+    bias ("bias-fp32..."), else the inputs' size; 4 where the variant is not given (the most)."""
+    if not variant:
+        return 4
+    if variant.startswith("plain"):
+        return 0
+    return 4 if variant.startswith("bias-fp32") else elem_bytes
 
 
 def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, variant: str) -> str:

@@ -13,20 +13,24 @@ def test_defaults_fit_shared_memory():
     for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
         for d in (32, 64, 128, 256):
             for info in (small, hopper):
-                for variant in ("", "bias", "plain", "plain-dense"):
+                for variant in ("", "bias", "bias-fp32", "plain", "plain-dense"):
                     cfg = config.default_config(kernel, info, d, 2, variant)
-                    staged_bias = not variant.startswith("plain")
-                    assert config.estimate_shared_memory(kernel, cfg, d, 2, staged_bias) \
+                    bias_bytes = config.variant_bias_bytes(variant, 2)
+                    assert config.estimate_shared_memory(kernel, cfg, d, 2, bias_bytes) \
                         <= info.shared_memory_per_block, (kernel, d, info.name, variant, cfg)
 
 
-def test_forward_without_bias_stages_no_bias_tile():
-    """The no-mask, no-bias forward at D128 keeps its 3 stages of 128-key tiles on Hopper (they
-    fit only because no bias tile is staged); a bias would not fit them."""
+def test_forward_stages_fit_the_bias_it_stages():
+    """The shared-memory estimate counts the bias tile the forward stages, at its element size:
+    the no-mask, no-bias forward at D128 keeps 3 stages of 128-key tiles on Hopper (a bias tile
+    would not fit them), and a 16-bit bias at D256 two stages (an fp32 one only one)."""
     hopper = DeviceInfo("hopper", 90, 132, 227 * 1024, 0)
     cfg = config.default_config("attn_fwd", hopper, 128, 2, "plain-dense")
     assert (cfg.block_n, cfg.num_stages) == (128, 3)
-    assert config.estimate_shared_memory("attn_fwd", cfg, 128, 2, bias=True) > hopper.shared_memory_per_block
+    assert config.estimate_shared_memory("attn_fwd", cfg, 128, 2, bias_bytes=2) > hopper.shared_memory_per_block
+    # a 16-bit bias tile leaves room for the second stage at D256 that an fp32 one does not
+    assert config.default_config("attn_fwd", hopper, 256, 2, "bias").num_stages == 2
+    assert config.default_config("attn_fwd", hopper, 256, 2, "bias-fp32").num_stages == 1
 
 
 def test_variant_defaults_fall_back_to_their_longest_listed_prefix():

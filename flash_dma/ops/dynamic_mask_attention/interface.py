@@ -107,7 +107,10 @@ def _pair_args(t: torch.Tensor | None, dummy: torch.Tensor):
 
 
 def _attention_forward(pb: _Problem, q, k, v, mask, bias):
-    variant = "bias" if bias is not None else "plain" if mask is not None else "plain-dense"
+    if bias is not None:
+        variant = "bias" if bias.element_size() == q.element_size() else "bias-fp32"
+    else:
+        variant = "plain" if mask is not None else "plain-dense"
     cfg = select_config("attn_fwd", q.device, pb.head_dim, q.dtype, variant)
     mode = choose_mode(mask, pb.num_heads, pb.num_kv_heads)
     walk = cached_key_walk(mask, mode, num_heads=pb.num_heads, seqlen_q=pb.seqlen_q,
