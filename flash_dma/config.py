@@ -89,6 +89,9 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_bwd_dkdv", 64, "bias"): LaunchConfig(64, 64, 4, 3),
     ("attn_bwd_dkdv", 64, "plain-dq"): LaunchConfig(32, 128, 4, 2),
     ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
+    # 64-query tiles with 3 stages won at B4 H16 S4096 (4.297 -> 4.132 ms) but lost by 47-57% at
+    # S1024, S8192, GQA and B1 H32 in the same session (H200, s12 probes): register-bound on a knife
+    # edge, they spill where the compiled variant differs a little. Kept at 32.
     ("attn_bwd_dkdv", 128, "plain-dq"): LaunchConfig(32, 128, 8, 3),
     ("attn_bwd_dkdv", 128, "bias-dq"): LaunchConfig(32, 128, 8, 3),
     # block lists ("-list"): 64-query tiles, which spill in the dense walk (B4 H16 S4096: 6.3 ms
@@ -149,17 +152,16 @@ def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int 
     if not info.is_hopper:
         # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
         cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)
-    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes, variant_bias_bytes(variant, elem_bytes))
+    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes,
+                          variant_bias_bytes(kernel, variant, elem_bytes))
 
 
-def variant_bias_bytes(variant: str, elem_bytes: int) -> int:
-    """Bytes per element of the bias tile a variant stages: none for "plain...", 4 for an fp32
-    bias ("bias-fp32..."), else the inputs' size; 4 where the variant is not given (the most)."""
-    if not variant:
-        return 4
+def variant_bias_bytes(kernel: str, variant: str, elem_bytes: int) -> int:
+    """Bytes per element of the bias tile a variant stages: none for "plain...", the inputs' size
+    for the forward's "bias" (it names an fp32 bias "bias-fp32"), else 4 (the most)."""
     if variant.startswith("plain"):
         return 0
-    return 4 if variant.startswith("bias-fp32") else elem_bytes
+    return elem_bytes if kernel == "attn_fwd" and variant == "bias" else 4
 
 
 def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, variant: str) -> str:

@@ -13,9 +13,10 @@ def test_defaults_fit_shared_memory():
     for kernel in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"):
         for d in (32, 64, 128, 256):
             for info in (small, hopper):
-                for variant in ("", "bias", "bias-fp32", "plain", "plain-dense"):
+                for variant in ("", "bias", "bias-fp32", "plain", "plain-dense", "plain-dq", "bias-dq",
+                                "plain-dq-list", "bias-dq-list"):
                     cfg = config.default_config(kernel, info, d, 2, variant)
-                    bias_bytes = config.variant_bias_bytes(variant, 2)
+                    bias_bytes = config.variant_bias_bytes(kernel, variant, 2)
                     assert config.estimate_shared_memory(kernel, cfg, d, 2, bias_bytes) \
                         <= info.shared_memory_per_block, (kernel, d, info.name, variant, cfg)
 
