@@ -308,6 +308,19 @@ def test_both_key_major_tile_orientations(key_rows, monkeypatch):
     check_against_reference(q, k, v, mask, bias, False, dtype)
 
 
+@pytest.mark.parametrize("list_walk", [False, True])
+def test_both_key_major_walks_without_mask(list_walk, monkeypatch):
+    """Without a mask or bias the key-major pass walks lists of every tile (or, switched off, its
+    dense walk); both exact: odd lengths, Sq > Sk with causal (rows that see no key), GQA, MQA."""
+    from flash_dma.ops.dynamic_mask_attention import interface
+    monkeypatch.setattr(interface, "ALL_TILES_LIST_WALK", list_walk)
+    dtype = DTYPES[-1]
+    for (B, Sq, Sk, H, Hk), causal in (((2, 45, 37, 4, 2), True), ((1, 33, 50, 3, 1), False),
+                                       ((2, 50, 19, 2, 2), True)):
+        q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 32, dtype)
+        check_against_reference(q, k, v, None, None, causal, dtype)
+
+
 @pytest.mark.parametrize("strategy", ["fused", "atomic", "kernel"])
 def test_every_dq_path(strategy, monkeypatch):
     """dq added by the key-major kernel (TMA bulk reductions, or element atomics: the interpreter

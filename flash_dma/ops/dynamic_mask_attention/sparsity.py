@@ -138,8 +138,11 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
             count = count[..., None]
         return KeyWalk(KV_GATHER, count, index, head_div)
 
-    any_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.any), 3, block_n, torch.any)
-    all_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.all), 3, block_n, torch.all)
+    if mask is None:  # every tile (all_tiles_walk)
+        any_kept = all_kept = torch.ones(1, 1, n_m, n_n, dtype=torch.bool, device=device)
+    else:
+        any_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.any), 3, block_n, torch.any)
+        all_kept = _blocks_reduce(_blocks_reduce(mask, 2, block_m, torch.all), 3, block_n, torch.all)
     first_key = torch.arange(n_n, device=device).view(1, 1, 1, -1) * block_n
     last_key = first_key + block_n - 1
     len_k4 = len_k.unsqueeze(-1)
@@ -160,6 +163,19 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
         full, partial = full.transpose(-1, -2), partial.transpose(-1, -2)
     count, index = _sorted_lists(torch.stack([full, partial], dim=-2))
     return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // shape[1])
+
+
+@functools.lru_cache(maxsize=64)
+def all_tiles_walk(*, num_heads: int, seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
+                   block_n: int, key_major: bool, device: torch.device) -> KeyWalk:
+    """Block lists of every tile (without a mask; causal visibility and ragged ends folded in as
+    for a mask), shared by all batches and heads: the key-major backward walks them faster than
+    its dense walk (kernels' KV_MODE 1 against 0; see interface._key_major_mode). Fixed lengths
+    only; remembered per shape."""
+    return plan_key_walk(None, KV_BLOCK_LIST, num_heads=num_heads, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, is_causal=is_causal, cu_seqlens_q=None,
+                         cu_seqlens_k=None, block_m=block_m, block_n=block_n,
+                         key_major=key_major, device=device)
 
 
 # key walks of recent masks: the forward, the backward and every layer sharing a mask plan it once
