@@ -310,8 +310,9 @@ def test_both_key_major_tile_orientations(key_rows, monkeypatch):
 
 @pytest.mark.parametrize("list_walk", [False, True])
 def test_both_key_major_walks_without_mask(list_walk, monkeypatch):
-    """Without a mask or bias the key-major pass walks lists of every tile (or, switched off, its
-    dense walk); both exact: odd lengths, Sq > Sk with causal (rows that see no key), GQA, MQA."""
+    """Without a mask the key-major pass walks lists of every tile (or, switched off, its dense
+    walk); both exact: odd lengths, Sq > Sk with causal (rows that see no key), GQA, MQA, without a
+    bias and with a full-shape one (dq by matmul), and with a broadcast bias (dense walk)."""
     from flash_dma.ops.dynamic_mask_attention import interface
     monkeypatch.setattr(interface, "ALL_TILES_LIST_WALK", list_walk)
     dtype = DTYPES[-1]
@@ -319,6 +320,9 @@ def test_both_key_major_walks_without_mask(list_walk, monkeypatch):
                                        ((2, 50, 19, 2, 2), True)):
         q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 32, dtype)
         check_against_reference(q, k, v, None, None, causal, dtype)
+    for bias_shape in ((2, 4, 45, 37), (2, 4, 1, 37)):
+        q, k, v, _, bias = make_inputs(2, 45, 37, 4, 2, 32, dtype, None, bias_shape)
+        check_against_reference(q, k, v, None, bias, True, dtype)
 
 
 @pytest.mark.parametrize("strategy", ["fused", "atomic", "kernel"])

@@ -277,7 +277,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
 
     # dk, dv (, dbias), and dq where fused: key-major
     dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
-    key_mode = _key_major_mode(pb, mask, bias, mode)
+    key_mode = _key_major_mode(pb, mask, bias, mode, dq_path)
     cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype,
                         variant + ("-dq" if dq_path == "fused" else "")
                         + ("-list" if key_mode == kernels.KV_BLOCK_LIST else ""))
@@ -336,17 +336,20 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     return dq, dk, dv, dbias
 
 
-# The key-major pass without a mask or bias walks block lists of every tile rather than its dense
-# walk (the same products): H200, backward ms, dense -> lists: B4 H16 S4096 D128 4.281 -> 4.110,
-# causal 2.375 -> 2.239, D64 2.635 -> 2.209, B2 S8192 causal 4.404 -> 4.076, GQA Hk4 4.390 ->
-# 4.160, B16 S1024 1.263 -> 1.240, B1 H32 S2048 0.589 -> 0.600 (bench/results/s12-probes-*).
-# Up to padded head dim 128 (measured there); fixed lengths (varlen plans would be per call).
+# Without a mask the key-major pass walks block lists of every tile rather than its dense walk
+# (the same products) where that measured faster (H200, backward ms, dense -> lists;
+# bench/results/s12-probes-H200-20261122.txt): no bias, B4 H16 S4096 D128 4.290 -> 4.098, causal
+# 2.377 -> 2.198, D64 -16%, B2 H16 Hk2 S8192 causal -13%, small shapes -1%; a full [B, H, Sq, Sk]
+# bias (dq by matmul) B2 H16 S4096 D128 3.072 -> 2.792, causal 2.221 -> 2.123, D64 -20%. Not with a
+# bias broadcast along queries ([B, H, 1, Sk]: 2.292 -> 2.576) or other broadcast biases (not
+# measured); up to padded head dim 128; fixed lengths (varlen plans would be made per call).
 ALL_TILES_LIST_WALK = True
 
 
-def _key_major_mode(pb: _Problem, mask, bias, mode: int) -> int:
-    if (ALL_TILES_LIST_WALK and mode == kernels.KV_DENSE and mask is None and bias is None
-            and not pb.is_varlen and head_dim_block(pb.head_dim) <= 128):
+def _key_major_mode(pb: _Problem, mask, bias, mode: int, dq_path: str) -> int:
+    if (ALL_TILES_LIST_WALK and mode == kernels.KV_DENSE and mask is None
+            and (bias is None or dq_path == "matmul") and not pb.is_varlen
+            and head_dim_block(pb.head_dim) <= 128):
         return kernels.KV_BLOCK_LIST
     return mode
 
