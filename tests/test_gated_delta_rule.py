@@ -227,6 +227,24 @@ def test_gradients_repeat():
         assert rel_err(second, first) <= TOLERANCE[dtype] / 10, name
 
 
+def test_failed_compile_ahead_leaves_the_call_working(monkeypatch):
+    """Compiling ahead is a speed-up only: if its dry run fails, the call warns and runs as usual."""
+    import contextlib
+    from flash_dma.ops.gated_delta_rule import interface
+
+    @contextlib.contextmanager
+    def broken():
+        raise RuntimeError("no compiler here")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(interface, "compile_ahead_enabled", lambda: True)
+    monkeypatch.setattr(interface, "compile_ahead", broken)
+    monkeypatch.setattr(interface, "_COMPILED_AHEAD", set())
+    inputs = make_inputs(1, 67, 2, 2, 16, 16, DTYPES[-1], "g", True)
+    with pytest.warns(RuntimeWarning, match="compiling ahead failed"):
+        check_against_reference(inputs, DTYPES[-1], output_final_state=True)
+
+
 def test_inference_mode_forward():
     dtype = DTYPES[-1]
     inputs = make_inputs(2, 67, 1, 2, 16, 16, dtype, "g", True)

@@ -9,6 +9,7 @@ public) and the chunk-parallel gradient kernels.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -485,9 +486,9 @@ def _compile_ahead(args: tuple, backward: bool) -> None:
     its compilation to a thread pool (launch.compile_ahead). The dry run allocates the buffers of
     one forward and backward once. The real launches then find their kernels compiled; one the
     dry run missed would compile as usual."""
-    if not compile_ahead_enabled() or torch.cuda.is_current_stream_capturing():
-        return
     q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens = args
+    if not compile_ahead_enabled() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
     layout = chunk_layout(q.shape[0], q.shape[1], cu_seqlens)
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
     # The number of (sequence, head) pairs sets some kernels' tiles and stages; T only Triton's
@@ -504,11 +505,15 @@ def _compile_ahead(args: tuple, backward: bool) -> None:
     _COMPILED_AHEAD.add(key)
     ctx = SimpleNamespace()
     ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
-    with torch.no_grad(), compile_ahead():
-        o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args)
-        if backward:
-            ChunkGatedDeltaRuleFunction.backward(ctx, torch.empty_like(o),
-                                                 None if final is None else torch.empty_like(final))
+    try:
+        with torch.no_grad(), compile_ahead():
+            o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args)
+            if backward:
+                ChunkGatedDeltaRuleFunction.backward(ctx, torch.empty_like(o),
+                                                     None if final is None else torch.empty_like(final))
+    except Exception as exc:  # noqa: BLE001 - a speed-up only: the real call runs (and raises) as usual
+        warnings.warn(f"flash_dma: compiling ahead failed ({type(exc).__name__}: {exc}); kernels "
+                      "compile at their first launch instead", RuntimeWarning, stacklevel=3)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
