@@ -240,6 +240,7 @@ def test_failed_compile_ahead_leaves_the_call_working(monkeypatch):
     monkeypatch.setattr(interface, "compile_ahead_enabled", lambda: True)
     monkeypatch.setattr(interface, "compile_ahead", broken)
     monkeypatch.setattr(interface, "_COMPILED_AHEAD", set())
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", set())
     inputs = make_inputs(1, 67, 2, 2, 16, 16, DTYPES[-1], "g", True)
     with pytest.warns(RuntimeWarning, match="compiling ahead failed"):
         check_against_reference(inputs, DTYPES[-1], output_final_state=True)

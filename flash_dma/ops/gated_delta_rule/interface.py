@@ -475,8 +475,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
 
 
-# compile-time signatures whose kernels were compiled ahead (see _compile_ahead)
+# compile-time signatures whose kernels were compiled ahead (see _compile_ahead), and the exact
+# call shapes already checked against them (a cheap first lookup: the full signature costs ~15 us
+# of host time per call to form, the shapes of a training step repeat)
 _COMPILED_AHEAD: set = set()
+_CHECKED_CALLS: set = set()
 
 
 def _compile_ahead(args: tuple, backward: bool) -> None:
@@ -487,8 +490,16 @@ def _compile_ahead(args: tuple, backward: bool) -> None:
     one forward and backward once. The real launches then find their kernels compiled; one the
     dry run missed would compile as usual."""
     q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens = args
+    call = (q.shape, v.shape, q.device, q.dtype, k.dtype, v.dtype, beta.dtype, g is None, gk is None,
+            initial_state is None, output_final_state,
+            None if cu_seqlens is None else cu_seqlens.numel(), backward)
+    if call in _CHECKED_CALLS:
+        return
     if not compile_ahead_enabled() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return
+    if len(_CHECKED_CALLS) > 4096:  # varying lengths: bounded
+        _CHECKED_CALLS.clear()
+    _CHECKED_CALLS.add(call)
     layout = chunk_layout(q.shape[0], q.shape[1], cu_seqlens)
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
     # The number of (sequence, head) pairs sets some kernels' tiles and stages; T only Triton's
