@@ -109,13 +109,14 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
 def estimate_shared_memory(kernel: str, cfg: LaunchConfig, block_d: int, elem_bytes: int,
                            bias_bytes: int = 4) -> int:
     """Rough bytes of shared memory a configuration needs (operands staged per pipeline stage).
-    bias_bytes: the bias's element size where the forward stages a bias tile, 0 where it has none."""
+    bias_bytes: the element size of the bias tile staged beside them, 0 where there is none."""
     m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    if kernel == "attn_fwd":  # Q resident, K and V streamed, plus a bias tile per stage
-        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * bias_bytes)
+    bias_tile = m * n * bias_bytes
+    if kernel == "attn_fwd":  # Q resident, K and V streamed
+        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + bias_tile)
     if kernel == "attn_bwd_dkdv":  # K, V resident, Q and dO streamed
-        return 2 * n * block_d * elem_bytes + s * (2 * m * block_d * elem_bytes + m * n * 4)
-    return 2 * m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + m * n * 4)
+        return 2 * n * block_d * elem_bytes + s * (2 * m * block_d * elem_bytes + bias_tile)
+    return 2 * m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + bias_tile)
 
 
 def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: int,
