@@ -69,10 +69,11 @@ def remember_until_retuned(choose: Callable) -> Callable:
 
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
 # the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq; "-list" when
-# it walks block lists) changes the winner; a variant without an entry takes its longest listed
-# prefix's. From the sweeps of bench/tune_attention.py on an H200, 2026-11-21
-# (bench/results/tune-*.json; the "-dq" ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at
-# head dim 128 its two fp32 accumulators fill the register file unless the key tile stays small.
+# it walks block lists; "-full" when those list every tile of a problem without mask or causal
+# rule) changes the winner; a variant without an entry takes its longest listed prefix's. From the
+# sweeps of bench/tune_attention.py on an H200, 2026-11-21 (bench/results/tune-*.json; the "-dq"
+# ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at head dim 128
+# its two fp32 accumulators fill the register file unless the key tile stays small.
 _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),
     ("attn_fwd", 32): LaunchConfig(128, 64, 4, 3),
@@ -97,6 +98,11 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     # block lists ("-list"): 64-query tiles, which spill in the dense walk (B4 H16 S4096: 6.3 ms
     # vs 4.1), measured 1.97 vs 2.43 ms with every tile listed, 0.32 vs 0.37 with 1/8 (H200, s7)
     ("attn_bwd_dkdv", 128, "plain-dq-list"): LaunchConfig(64, 128, 8, 2),
+    # no mask, not causal ("-full": every listed tile whole, as long as the lists): 3 stages, B4 H16
+    # S4096 4.085 -> 3.900 ms, B2 H16 S8192 7.980 -> 7.481, B1 H32 S2048 -4%, B8 H16 S1000 -3%;
+    # causal lost (2.197 -> 2.321: shorter lists), so did D64 and the masked walks (H200,
+    # bench/results/s13-probes-H200-20261122.txt)
+    ("attn_bwd_dkdv", 128, "plain-dq-list-full"): LaunchConfig(64, 128, 8, 3),
     ("attn_bwd_dkdv", 256): LaunchConfig(32, 64, 8, 2),
     ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
     ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),

@@ -14,7 +14,7 @@ def test_defaults_fit_shared_memory():
         for d in (32, 64, 128, 256):
             for info in (small, hopper):
                 for variant in ("", "bias", "bias-fp32", "plain", "plain-dense", "plain-dq", "bias-dq",
-                                "plain-dq-list", "bias-dq-list"):
+                                "plain-dq-list", "bias-dq-list", "plain-dq-list-full", "bias-list-full"):
                     cfg = config.default_config(kernel, info, d, 2, variant)
                     bias_bytes = config.variant_bias_bytes(kernel, variant, 2)
                     assert config.estimate_shared_memory(kernel, cfg, d, 2, bias_bytes) \
@@ -40,6 +40,8 @@ def test_variant_defaults_fall_back_to_their_longest_listed_prefix():
     for variant, expected in (("plain-dq-list", ("attn_bwd_dkdv", 128, "plain-dq-list")),
                               ("bias-dq-list", ("attn_bwd_dkdv", 128, "bias-dq")),
                               ("bias-list", ("attn_bwd_dkdv", 128)),
+                              ("plain-dq-list-full", ("attn_bwd_dkdv", 128, "plain-dq-list-full")),
+                              ("bias-list-full", ("attn_bwd_dkdv", 128)),
                               ("", ("attn_bwd_dkdv", 128))):
         assert config.default_config("attn_bwd_dkdv", hopper, 128, 2, variant) == listed[expected]
     assert listed[("attn_bwd_dkdv", 128, "plain-dq-list")] != listed[("attn_bwd_dkdv", 128, "plain-dq")]

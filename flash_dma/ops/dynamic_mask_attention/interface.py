@@ -278,9 +278,11 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # dk, dv (, dbias), and dq where fused: key-major
     dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
     key_mode = _key_major_mode(pb, mask, bias, mode, dq_path)
+    every_tile = key_mode != mode and not pb.is_causal  # lists of every tile, all full
     cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype,
                         variant + ("-dq" if dq_path == "fused" else "")
-                        + ("-list" if key_mode == kernels.KV_BLOCK_LIST else ""))
+                        + ("-list" if key_mode == kernels.KV_BLOCK_LIST else "")
+                        + ("-full" if every_tile else ""))
     walk_args = dict(num_heads=pb.num_heads, seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k,
                      is_causal=pb.is_causal, block_m=cfg.block_m, block_n=cfg.block_n,
                      key_major=True, device=q.device)
