@@ -70,7 +70,7 @@ def remember_until_retuned(choose: Callable) -> Callable:
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
 # the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq; "-list" when
 # it walks block lists; "-full" when those list every tile of a problem without mask or causal
-# rule) changes the winner; a variant without an entry takes its longest listed prefix's. From the
+# rule; "-dbtma" when dbias goes out by TMA stores) changes the winner; a variant without an entry takes its longest listed prefix's. From the
 # sweeps of bench/tune_attention.py on an H200, 2026-11-21 (bench/results/tune-*.json; the "-dq"
 # ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at head dim 128
 # its two fp32 accumulators fill the register file unless the key tile stays small.
@@ -95,6 +95,9 @@ _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     # edge, they spill where the compiled variant differs a little. Kept at 32.
     ("attn_bwd_dkdv", 128, "plain-dq"): LaunchConfig(32, 128, 8, 3),
     ("attn_bwd_dkdv", 128, "bias-dq"): LaunchConfig(32, 128, 8, 3),
+    # dbias by TMA stores: 64-query tiles (2.781 -> 2.552 ms at B2 H16 S4096 with the stores;
+    # without them these tiles gained 1%; H200, bench/results/s13-probes-H200-20261122.txt)
+    ("attn_bwd_dkdv", 128, "bias-dbtma"): LaunchConfig(64, 128, 8, 2),
     # block lists ("-list"): 64-query tiles, which spill in the dense walk (B4 H16 S4096: 6.3 ms
     # vs 4.1), measured 1.97 vs 2.43 ms with every tile listed, 0.32 vs 0.37 with 1/8 (H200, s7)
     ("attn_bwd_dkdv", 128, "plain-dq-list"): LaunchConfig(64, 128, 8, 2),

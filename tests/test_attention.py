@@ -367,7 +367,8 @@ def test_strided_kv_layouts(layout):
 @pytest.mark.parametrize("Sq,Sk", [(37, 48), (29, 40)])
 def test_bias_tiles_by_descriptor(Sq, Sk, causal):
     """Sk a multiple of 8 makes the bias describable for the tensor-memory accelerator: whole
-    tiles come by descriptor (in all three kernels), the ragged ones by pointers."""
+    tiles come by descriptor (in all three kernels), the ragged ones by pointers; a full-shape
+    dbias goes out by descriptor stores (clipped at the edges)."""
     dtype = DTYPES[-1]
     B, H, Hk = 2, 4, 2
     q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (B, H, Sq, Sk))
@@ -376,3 +377,6 @@ def test_bias_tiles_by_descriptor(Sq, Sk, causal):
     check_against_reference(q, k, v, mask, bias, causal, dtype)  # block lists: dq kernel too
     q, k, v, _, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (1, Hk, Sq, Sk))
     check_against_reference(q, k, v, None, bias, causal, dtype)  # shared bias: atomics
+    # a key-wise mask walks gathered keys, not contiguous in the bias: dbias by pointer stores
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, 1, Sk), (B, H, Sq, Sk))
+    check_against_reference(q, k, v, mask, bias, causal, dtype)

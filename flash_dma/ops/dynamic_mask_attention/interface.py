@@ -175,6 +175,26 @@ def _kv_descriptors(pb: _Problem, k: torch.Tensor, v: torch.Tensor, cfg: LaunchC
     return descs[0], descs[1]
 
 
+# dbias tiles written by TMA stores (asynchronous, and no pointer arithmetic in registers) where
+# the gradient is the bias's own full [B, H, Sq, Sk] shape, with (64, 128, 8, 2) tiles at D128
+# ("-dbtma" variants): B2 H16 S4096 D128 bias backward 2.781 -> 2.552 ms, causal 2.123 -> 1.923,
+# B16 S1024 -7.5%, B2 S8192 -9.1%, 1/8 tiles -5.6%, D64 (its own tiles) -10.3%; with the old
+# (32, 128, 8, 2) tiles the stores alone gained nothing (H200,
+# bench/results/s13-probes-H200-20261122.txt). Module-level for A/B scripts.
+DBIAS_BY_DESCRIPTOR = True
+
+
+def _dbias_by_descriptor(pb: _Problem, bias: torch.Tensor) -> bool:
+    """Whether the key-major kernel writes dbias by TMA stores: its buffer is then the bias's own
+    shape, written tile by tile (not shared by batch, heads or keys: no atomics or slots), and a
+    descriptor can describe it (_bias_descriptor's rules, here on the buffer, fresh and packed)."""
+    shape = bias.shape
+    return (DBIAS_BY_DESCRIPTOR and not pb.is_varlen and shape[2] != 1 and shape[3] != 1
+            and shape[1] == pb.num_heads and (shape[0] == pb.batch or pb.batch == 1)
+            and (shape[3] * bias.element_size()) % 16 == 0
+            and head_dim_block(pb.head_dim) <= _DESCRIPTOR_MAX_HEAD_DIM and not _before_hopper(bias))
+
+
 def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig, head_dim: int):
     """A descriptor over a bias that varies along both queries and keys, serving whole
     [block_m, block_n] tiles; None where there is no TMA or the layout cannot be described
@@ -279,8 +299,11 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
     key_mode = _key_major_mode(pb, mask, bias, mode, dq_path)
     every_tile = key_mode != mode and not pb.is_causal  # lists of every tile, all full
+    # (gathered key tiles are not contiguous in the bias: pointer stores there)
+    dbias_tma = want_dbias and mode != kernels.KV_GATHER and _dbias_by_descriptor(pb, bias)
     cfg = select_config("attn_bwd_dkdv", q.device, pb.head_dim, q.dtype,
-                        variant + ("-dq" if dq_path == "fused" else "")
+                        variant + ("-dbtma" if dbias_tma else "")
+                        + ("-dq" if dq_path == "fused" else "")
                         + ("-list" if key_mode == kernels.KV_BLOCK_LIST else "")
                         + ("-full" if every_tile else ""))
     walk_args = dict(num_heads=pb.num_heads, seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k,
@@ -302,6 +325,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # H200 the transposed TMA tile lost to pointer loads (3.20 vs 3.07 ms, B2 H16 S4096 D128)
     b_desc = None
     dq_acc, dq_desc, dq_mode = dummy, None, kernels.DQ_NONE
+    db_desc = _bias_descriptor(db_plan.buffer, cfg, head_dim_block(pb.head_dim)) if dbias_tma else None
     if dq_path == "fused":
         dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         dq_desc = _dq_reduce_descriptor(pb, dq_acc, cfg)
@@ -309,7 +333,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     launch(kernels.attn_bwd_dkdv_kernel, (n_key_programs, pb.batch * pb.num_kv_heads),
         q, k, v, dout, dk, dv, db_buf, lse, delta, _pair_args(mask_u8, dummy), _pair_args(bias, dummy),
         b_desc,
-        cu_q, cu_k, walk.count, walk.index, dq_acc, dq_desc,
+        cu_q, cu_k, walk.count, walk.index, dq_acc, dq_desc, db_desc,
         pb.softmax_scale, pb.seqlen_q, pb.seqlen_k,
         *pb.row_strides(q), *pb.row_strides(k), *pb.row_strides(v), *pb.row_strides(dout),
         *pb.row_strides(dk), *pb.row_strides(dv),
@@ -321,7 +345,7 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
         **_constexprs(pb, cfg, mask, bias, key_mode),
         HAS_DBIAS=want_dbias, DBIAS_ATOMIC=bool(db_plan is not None and db_plan.atomic),
         KEY_ROWS=kernels.dkdv_key_rows(bias is not None or mask is not None),
-        BIAS_DESC=b_desc is not None, DQ_MODE=dq_mode,
+        BIAS_DESC=b_desc is not None, DQ_MODE=dq_mode, DBIAS_DESC=db_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -626,7 +626,7 @@ def _add_dq_share(dq_base, dq_desc, dq_row0, dq_h, m_block, offs_m, q_ok, offs_d
 def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat_base,
                mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-               stride_bq, stride_bk, stride_dbq, stride_dbk, bias_desc, bias_b, bias_h, k0,
+               stride_bq, stride_bk, stride_dbq, stride_dbk, bias_desc, dbias_desc, bias_b, bias_h, k0,
                dq_base, dq_desc, dq_row0, dq_h, stride_dqs,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                IS_CAUSAL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -634,7 +634,7 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr,
                HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr,
                CHECK: tl.constexpr, BOUNDS: tl.constexpr, KEY_ROWS: tl.constexpr,
-               BIAS_BY_DESC: tl.constexpr, DQ_MODE: tl.constexpr):
+               BIAS_BY_DESC: tl.constexpr, DQ_MODE: tl.constexpr, DBIAS_DESC: tl.constexpr):
     """One query tile against this program's key tile: accumulates dk, dv, and writes or
     accumulates dbias (and, with DQ_MODE, adds this key tile's share of dq). KEY_ROWS computes
     the transposed tile (keys on rows: P^T and dS^T feed the dk/dv products directly); otherwise
@@ -690,6 +690,11 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
             db_keys += tl.sum(ds, 1 if KEY_ROWS else 0)
         elif BIAS_K_BCAST:
             _write_dbias(db_tile + local_m * stride_dbq, tl.sum(ds, 0 if KEY_ROWS else 1), q_ok, DBIAS_ATOMIC)
+        elif DBIAS_DESC:  # the whole tile by the tensor-memory accelerator (asynchronous; it
+            # clips rows and keys past the tensor's edges)
+            tile = (tl.trans(ds) if KEY_ROWS else ds).to(dbias_head.dtype.element_ty)
+            dbias_desc.store([bias_b, bias_h, m_block * BLOCK_M, k0],
+                             tile.reshape(1, 1, BLOCK_M, tile.shape[1]))
         elif BOUNDS:
             _write_dbias(db_tile + qi * stride_dbq + kj * stride_dbk, ds, tile_ok_bounds, DBIAS_ATOMIC)
         else:
@@ -702,7 +707,7 @@ def _dkdv_tile(dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA, stat
                                "stride_cn", "stride_ib", "stride_ih", "stride_in", "stride_ik"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DBIAS, LSE, DELTA, MASK, BIAS, B_DESC, CU_Q, CU_K, LIST_COUNT, LIST_INDEX,
-    DQ_ACC, DQ_DESC,
+    DQ_ACC, DQ_DESC, DB_DESC,
     softmax_scale, seqlen_q, seqlen_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -724,7 +729,7 @@ def attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, MASK_Q_BCAST: tl.constexpr, MASK_K_BCAST: tl.constexpr,
     BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, KV_MODE: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, KEY_ROWS: tl.constexpr,
-    BIAS_DESC: tl.constexpr, DQ_MODE: tl.constexpr,
+    BIAS_DESC: tl.constexpr, DQ_MODE: tl.constexpr, DBIAS_DESC: tl.constexpr,
 ):
     """dk, dv (and dbias) for one key tile of one kv head, summed over the heads of its group.
 
@@ -819,12 +824,12 @@ def attn_bwd_dkdv_kernel(
                     dk, dv, db_keys, k, v, tl.load(lists + it), q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, DB_DESC, bias_b, bias_h, k0,
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
             # partial tiles are bounds-checked only when this key tile is ragged
             n_lean = tl.where(ragged, 0, n_part)
             for it in range(0, n_lean):
@@ -833,45 +838,45 @@ def attn_bwd_dkdv_kernel(
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0,
+                    B_DESC, DB_DESC, bias_b, bias_h, k0,
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
             for it in range(n_lean, n_part):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
                     LSE, DELTA, stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok,
                     local_m, offs_d, seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos,
                     stride_mq, stride_mk, stride_bq, stride_bk, stride_dbq, stride_dbk,
-                    B_DESC, bias_b, bias_h, k0,
+                    B_DESC, DB_DESC, bias_b, bias_h, k0,
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False, DQ_MODE)
+                    False, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
         else:
             for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, DB_DESC, bias_b, bias_h, k0,
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False, DQ_MODE)
+                    False, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
             for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
                     stat_base, mask_head, bias_head, dbias_head, k_pos, k_ok, local_m, offs_d,
                     seqlen_q, seqlen_k, qk_scale, stride_qs, stride_dos, stride_mq, stride_mk,
-                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, bias_b, bias_h, k0,
+                    stride_bq, stride_bk, stride_dbq, stride_dbk, B_DESC, DB_DESC, bias_b, bias_h, k0,
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs,
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
