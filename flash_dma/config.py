@@ -70,10 +70,11 @@ def remember_until_retuned(choose: Callable) -> Callable:
 # Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
 # the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq; "-list" when
 # it walks block lists; "-full" when those list every tile of a problem without mask or causal
-# rule; "-dbtma" when dbias goes out by TMA stores) changes the winner; a variant without an entry takes its longest listed prefix's. From the
-# sweeps of bench/tune_attention.py on an H200, 2026-11-21 (bench/results/tune-*.json; the "-dq"
-# ones: dq-strategy-H200-20261121.txt). The key-major backward is register-bound: at head dim 128
-# its two fp32 accumulators fill the register file unless the key tile stays small.
+# rule; "-dbtma" when dbias goes out by TMA stores) changes the winner; a variant without an entry
+# takes its longest listed prefix's. From the sweeps of bench/tune_attention.py on an H200,
+# 2026-11-21 (bench/results/tune-*.json; the "-dq" ones: dq-strategy-H200-20261121.txt). The
+# key-major backward is register-bound: at head dim 128 its two fp32 accumulators fill the
+# register file unless the key tile stays small.
 _HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
     ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),
     ("attn_fwd", 32): LaunchConfig(128, 64, 4, 3),

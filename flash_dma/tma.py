@@ -17,11 +17,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 _VALIDATED: dict[tuple, dict] = {}
 
 
+def strides_aligned16(strides: Sequence[int], element_size: int) -> bool:
+    """TMA's stride rules: every stride but the last a multiple of 16 bytes, the last 1."""
+    return all((s * element_size) % 16 == 0 for s in strides[:-1]) and strides[-1] == 1
+
+
 def aligned16(t: torch.Tensor, strides: Sequence[int]) -> bool:
     """TMA's alignment rules: base and every stride but the last a multiple of 16 bytes."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides[:-1]) \
-        and strides[-1] == 1
+    return t.data_ptr() % 16 == 0 and strides_aligned16(strides, t.element_size())
 
 
 def descriptor(base: torch.Tensor, shape: list[int], strides: list[int],

@@ -185,33 +185,43 @@ DBIAS_BY_DESCRIPTOR = True
 
 
 def _dbias_by_descriptor(pb: _Problem, bias: torch.Tensor) -> bool:
-    """Whether the key-major kernel writes dbias by TMA stores: its buffer is then the bias's own
-    shape, written tile by tile (not shared by batch, heads or keys: no atomics or slots), and a
-    descriptor can describe it (_bias_descriptor's rules, here on the buffer, fresh and packed)."""
-    shape = bias.shape
-    return (DBIAS_BY_DESCRIPTOR and not pb.is_varlen and shape[2] != 1 and shape[3] != 1
-            and shape[1] == pb.num_heads and (shape[0] == pb.batch or pb.batch == 1)
-            and (shape[3] * bias.element_size()) % 16 == 0
-            and head_dim_block(pb.head_dim) <= _DESCRIPTOR_MAX_HEAD_DIM and not _before_hopper(bias))
+    """Whether the key-major kernel writes dbias by TMA stores: its buffer (fresh, packed, the
+    bias's shape) is then written tile by tile by one program each (no batch or head sharing, no
+    atomics or slots) and _bias_descriptor can describe it."""
+    if not DBIAS_BY_DESCRIPTOR or pb.is_varlen or _before_hopper(bias) \
+            or head_dim_block(pb.head_dim) > _DESCRIPTOR_MAX_HEAD_DIM:
+        return False
+    batch_shared, head_share = _bias_sharing(pb, bias.shape)
+    _, H, Sq, Sk = bias.shape
+    strides = _pair_tile_strides(bias.shape, (H * Sq * Sk, Sq * Sk, Sk, 1))  # the packed buffer's
+    return (not batch_shared and head_share == 1 and strides is not None
+            and tma.strides_aligned16(strides, bias.element_size()))
 
 
-def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig, head_dim: int):
-    """A descriptor over a bias that varies along both queries and keys, serving whole
-    [block_m, block_n] tiles; None where there is no TMA or the layout cannot be described
-    (an expanded dim with stride 0, a row stride not 16-byte aligned, as for odd Sk)."""
-    if bias is None or bias.shape[2] == 1 or bias.shape[3] == 1 or head_dim > _DESCRIPTOR_MAX_HEAD_DIM:
+def _pair_tile_strides(shape, strides) -> list[int] | None:
+    """Descriptor strides of a [B|1, H|1, Sq, Sk] tensor served in whole [block_m, block_n] tiles:
+    None unless it varies along both queries and keys and no stepped dim has stride 0."""
+    if shape[2] == 1 or shape[3] == 1:
         return None
-    if _before_hopper(bias):
-        return None
-    shape, strides = list(bias.shape), list(bias.stride())
+    strides = list(strides)
     for d in (2, 1, 0):
         if shape[d] == 1:  # never stepped along: give it the packed stride so alignment holds
             strides[d] = strides[d + 1] * shape[d + 1]
         if strides[d] == 0:
             return None
-    if not tma.aligned16(bias, strides):
+    return strides
+
+
+def _bias_descriptor(bias: torch.Tensor | None, cfg: LaunchConfig, head_dim: int):
+    """A descriptor over a bias (or a dbias buffer) that varies along both queries and keys,
+    serving whole [block_m, block_n] tiles; None where there is no TMA or the layout cannot be
+    described (an expanded dim with stride 0, a row stride not 16-byte aligned, as for odd Sk)."""
+    if bias is None or head_dim > _DESCRIPTOR_MAX_HEAD_DIM or _before_hopper(bias):
         return None
-    return tma.descriptor(bias, shape, strides, [1, 1, cfg.block_m, cfg.block_n])
+    strides = _pair_tile_strides(bias.shape, bias.stride())
+    if strides is None or not tma.aligned16(bias, strides):
+        return None
+    return tma.descriptor(bias, list(bias.shape), strides, [1, 1, cfg.block_m, cfg.block_n])
 
 
 def _head_div(pb: _Problem, t: torch.Tensor | None) -> int:
@@ -242,6 +252,11 @@ class _BiasGradPlan:
         return grad.to(bias.dtype)
 
 
+def _bias_sharing(pb: _Problem, shape) -> tuple[bool, int]:
+    """(one bias entry serves every batch, query heads per bias head)."""
+    return shape[0] == 1 and pb.batch > 1, pb.num_heads // shape[1]
+
+
 def _plan_bias_grad(pb: _Problem, bias: torch.Tensor, n_key_programs: int, mode: int,
                     deterministic: bool) -> _BiasGradPlan:
     """Decide how dbias is reduced over the dims the bias broadcasts.
@@ -252,8 +267,7 @@ def _plan_bias_grad(pb: _Problem, bias: torch.Tensor, n_key_programs: int, mode:
     deterministic, written to per-contributor slots that are summed in a fixed order afterwards.
     """
     shape = bias.shape
-    head_share = pb.num_heads // shape[1]
-    batch_shared = shape[0] == 1 and pb.batch > 1
+    batch_shared, head_share = _bias_sharing(pb, shape)
     key_shared = shape[3] == 1 and n_key_programs > 1
     cross = batch_shared or head_share > 1 or key_shared
     # entries no program writes (skipped tiles, gathered-away keys, padding) must read 0

@@ -739,6 +739,8 @@ def attn_bwd_dkdv_kernel(
     the host asks for fp32 atomics (DBIAS_ATOMIC) or gives each program its own slot
     (deterministic mode) and sums the slots afterwards.
     """
+    # gathered key tiles are not contiguous in the bias: no whole-tile dbias stores there
+    tl.static_assert(not (DBIAS_DESC and KV_MODE == 2))
     n_block = tl.program_id(0)
     bhk = tl.program_id(1)
     num_kv_heads = num_heads // kv_group
@@ -829,7 +831,7 @@ def attn_bwd_dkdv_kernel(
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC)
             # partial tiles are bounds-checked only when this key tile is ragged
             n_lean = tl.where(ragged, 0, n_part)
             for it in range(0, n_lean):
@@ -842,7 +844,7 @@ def attn_bwd_dkdv_kernel(
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC)
             for it in range(n_lean, n_part):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, tl.load(lists + stride_ik + it), q_base, do_base,
@@ -853,7 +855,7 @@ def attn_bwd_dkdv_kernel(
                     dq_base, DQ_DESC, dq_row0, h, stride_dqs, HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, HAS_MASK, HAS_BIAS, MASK_Q_BCAST,
                     MASK_K_BCAST, BIAS_Q_BCAST, BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
+                    False, DQ_MODE, DBIAS_DESC)
         else:
             for m_block in range(m_lo, m_check):
                 dk, dv, db_keys = _dkdv_tile(
@@ -865,7 +867,7 @@ def attn_bwd_dkdv_kernel(
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, True, True, KEY_ROWS,
-                    False, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
+                    False, DQ_MODE, DBIAS_DESC)
             for m_block in range(tl.maximum(m_check, m_lo), n_m_blocks):
                 dk, dv, db_keys = _dkdv_tile(
                     dk, dv, db_keys, k, v, m_block, q_base, do_base, LSE, DELTA,
@@ -876,7 +878,7 @@ def attn_bwd_dkdv_kernel(
                     HEAD_DIM, BLOCK_D, BLOCK_M,
                     IS_CAUSAL, False, HAS_BIAS, MASK_Q_BCAST, MASK_K_BCAST, BIAS_Q_BCAST,
                     BIAS_K_BCAST, HAS_DBIAS, DBIAS_ATOMIC, False, False, KEY_ROWS,
-                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC and KV_MODE != 2)
+                    BIAS_DESC and KV_MODE != 2, DQ_MODE, DBIAS_DESC)
         if HAS_DBIAS:
             if BIAS_Q_BCAST:
                 if BIAS_K_BCAST:
