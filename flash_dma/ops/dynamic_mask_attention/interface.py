@@ -300,17 +300,26 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     kv_group = pb.num_heads // pb.num_kv_heads
     block_d = head_dim_block(pb.head_dim)
 
+    dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
+    dq_acc = dummy
+    # the fp32 dq accumulator: cleared by the delta pass where its rows are all of q's rows
+    # (varlen: q may hold rows outside every sequence, which must read 0)
+    zero_in_delta = dq_path == "fused" and not pb.is_varlen
+    if dq_path == "fused":
+        dq_acc = (torch.empty if zero_in_delta else torch.zeros)(q.shape, device=q.device,
+                                                                 dtype=torch.float32)
     delta = torch.empty_like(lse)
     cfg_delta = 128 if q.device.type == "cuda" else 16
     delta_grid = (_grid_blocks(pb.seqlen_q, cfg_delta), pb.batch * pb.num_heads)
     launch(kernels.attn_bwd_delta_kernel, delta_grid,
-        out, dout, delta, cu_q, pb.seqlen_q, *pb.row_strides(out), *pb.row_strides(dout),
+        out, dout, delta, dq_acc, cu_q, pb.seqlen_q, *pb.row_strides(out), *pb.row_strides(dout),
+        *(pb.row_strides(dq_acc) if zero_in_delta else (0, 0, 0)),
         *pb.stat_strides(lse), pb.num_heads,
         HEAD_DIM=pb.head_dim, BLOCK_D=block_d, BLOCK_M=cfg_delta, IS_VARLEN=pb.is_varlen,
+        ZERO_DQ_ACC=zero_in_delta,
     )
 
     # dk, dv (, dbias), and dq where fused: key-major
-    dq_path = _dq_path(pb, q, bias, want_dbias, mode, deterministic)
     key_mode = _key_major_mode(pb, mask, bias, mode, dq_path)
     every_tile = key_mode != mode and not pb.is_causal  # lists of every tile, all full
     # (gathered key tiles are not contiguous in the bias: pointer stores there)
@@ -338,10 +347,9 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     # no bias descriptor here: the key-major tile wants the bias transposed, and measured on an
     # H200 the transposed TMA tile lost to pointer loads (3.20 vs 3.07 ms, B2 H16 S4096 D128)
     b_desc = None
-    dq_acc, dq_desc, dq_mode = dummy, None, kernels.DQ_NONE
+    dq_desc, dq_mode = None, kernels.DQ_NONE
     db_desc = _bias_descriptor(db_plan.buffer, cfg, head_dim_block(pb.head_dim)) if dbias_tma else None
     if dq_path == "fused":
-        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
         dq_desc = _dq_reduce_descriptor(pb, dq_acc, cfg)
         dq_mode = kernels.DQ_TMA_REDUCE if dq_desc is not None else kernels.DQ_ATOMIC
     launch(kernels.attn_bwd_dkdv_kernel, (n_key_programs, pb.batch * pb.num_kv_heads),
@@ -364,9 +372,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     )
 
     if dq_path == "fused":
-        # scale and cast in one elementwise pass (fp32 in, q's dtype out)
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        torch.mul(dq_acc, pb.softmax_scale, out=dq)
+        _scale_cast(dq_acc, pb.softmax_scale, dq)
     elif dq_path == "matmul":
         dq = _dq_by_matmul(pb, k, db_plan.buffer)
     else:
@@ -429,6 +436,19 @@ DQ_STRATEGY = "fused"
 # Fused dq pays up to padded head dim 128 (H200, B4 H16 S4096 plain backward: D128 4.60 -> 4.37 ms,
 # D64 2.71 -> 2.68); at 256 the key-major kernel spills with the extra product (7.38 -> 9.02 ms).
 _FUSED_DQ_MAX_HEAD_DIM = 128
+
+
+_SCALE_CAST_BLOCK = 4096
+
+
+def _scale_cast(src: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
+    """dst = src * scale in dst's dtype; both contiguous and of one shape."""
+    n = src.numel()
+    if n == 0:
+        return
+    block = _SCALE_CAST_BLOCK if src.device.type == "cuda" else 256
+    launch(kernels.scale_cast_kernel, (ceil_div(n, block),), src, dst, n, scale, BLOCK=block,
+           num_warps=8 if src.device.type == "cuda" else 1)
 
 
 def _dq_path(pb: _Problem, q, bias, want_dbias: bool, mode: int, deterministic: bool) -> str:
