@@ -446,9 +446,10 @@ def _scale_cast(src: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
     n = src.numel()
     if n == 0:
         return
-    block = _SCALE_CAST_BLOCK if src.device.type == "cuda" else 256
+    on_gpu = src.device.type == "cuda"  # (the interpreter: small blocks, one warp)
+    block = _SCALE_CAST_BLOCK if on_gpu else 256
     launch(kernels.scale_cast_kernel, (ceil_div(n, block),), src, dst, n, scale, BLOCK=block,
-           num_warps=8 if src.device.type == "cuda" else 1)
+           num_warps=8 if on_gpu else 1)
 
 
 def _dq_path(pb: _Problem, q, bias, want_dbias: bool, mode: int, deterministic: bool) -> str:
