@@ -72,7 +72,7 @@ def check_attention_sequence(got, q, k, v, dout, start, length, mask, bias, caus
 @pytest.mark.parametrize("kind", ["varlen-causal", "varlen-keywise-mask-bias", "batch"])
 def test_attention_offsets_past_2_31(kind):
     dtype = torch.bfloat16
-    with large_memory(64):
+    with large_memory(48):
         if kind == "batch":  # the batch offset: b x (S H D) passes 2^31 from batch 1024 on
             B, S = 1027, 1024
             q, k, v, dout = (torch.randn(B, S, H, D, device=DEVICE, dtype=dtype) for _ in range(4))
@@ -117,7 +117,7 @@ def test_gated_delta_rule_offsets_past_2_31():
     their gradients pass 2^31 elements there, and the per-chunk states ([chunks, H, K, V], twice
     q's size at K = V = 128) from about token 2^19 on."""
     dtype = torch.bfloat16
-    with large_memory(110):
+    with large_memory(90):
         lengths = [4096] * 256 + [200, 300]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEVICE,
                           dtype=torch.int32)
