@@ -380,3 +380,27 @@ def test_bias_tiles_by_descriptor(Sq, Sk, causal):
     # a key-wise mask walks gathered keys, not contiguous in the bias: dbias by pointer stores
     q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, 1, Sk), (B, H, Sq, Sk))
     check_against_reference(q, k, v, mask, bias, causal, dtype)
+
+
+def test_transposed_inputs_and_broadcast_output_gradient():
+    """q, k, v as [B, H, S, D] tensors transposed to [B, S, H, D] (strided rows, no copy), and an
+    output gradient broadcast from one row (`(out * w).sum()` gives strides 0 but a contiguous
+    last dim)."""
+    dtype = DTYPES[-1]
+    B, S, H, D = 2, 37, 3, 32
+    q, k, v = (torch.randn(B, H, S, D, device=DEVICE, dtype=dtype).transpose(1, 2) for _ in range(3))
+    bias = torch.randn(B, H, S, S, device=DEVICE, dtype=dtype)
+    leaves = [t.clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+              for t in (q, k, v)]  # the same [B, H, S, D] memory order as q, k, v
+    bias_leaf = bias.clone().requires_grad_()
+    out = flash_dma_func(*leaves, attn_bias=bias_leaf, is_causal=True)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_bias = bias.double().requires_grad_()
+    ref_out, _ = attention_reference(*ref_leaves, None, ref_bias, True)
+    assert_close("out", out, ref_out, dtype)
+    weight = torch.randn(D, device=DEVICE, dtype=dtype)
+    dout = weight.expand(B, S, H, D)
+    got = torch.autograd.grad(out, leaves + [bias_leaf], dout)
+    want = torch.autograd.grad(ref_out, ref_leaves + [ref_bias], dout.double())
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert_close(name, g, w, dtype)
