@@ -26,7 +26,7 @@ from flash_dma.ops.gated_delta_rule.reference import gated_delta_rule_reference
 pytestmark = pytest.mark.gpu
 
 H, D = 16, 128  # 2048 elements per token: 2^20 tokens is 2^31 elements
-PAST = 1 << 20  # tokens before the checked sequences
+PAST = 1 << 20  # tokens (or batch x length) in front of the checked sequences
 GIB = 1 << 30
 
 
@@ -73,21 +73,22 @@ def check_attention_sequence(got, q, k, v, dout, start, length, mask, bias, caus
 def test_attention_offsets_past_2_31(kind):
     dtype = torch.bfloat16
     with large_memory(48):
-        if kind == "batch":  # the batch offset: b x (S H D) passes 2^31 from batch 1024 on
-            B, S = 1027, 1024
+        if kind == "batch":  # the batch offset: b x (S H D) passes 2^31 from batch PAST / S on
+            S = 1024
+            B = PAST // S + 3
             q, k, v, dout = (torch.randn(B, S, H, D, device=DEVICE, dtype=dtype) for _ in range(4))
             leaves = [t.requires_grad_() for t in (q, k, v)]
             out, lse = flash_dma_func(*leaves, return_lse=True)
             dq, dk, dv = torch.autograd.grad(out, leaves, dout)
             flat = [t.view(B * S, H, D) for t in (q, k, v, dout, out, dq, dk, dv)]
             lse_rows = lse.permute(1, 0, 2).reshape(H, B * S)
-            for b in (0, 1024, 1026):
+            for b in (0, PAST // S, B - 1):
                 check_attention_sequence(
                     (flat[4], lse_rows, flat[5], flat[6], flat[7], None), *flat[:3], flat[3],
                     b * S, S, None, None, False)
             return
         # packed sequences: 1024 of 1024 tokens, then the checked ones from token 2^20 on
-        lengths = [1024] * 1024 + [37, 1000, 300]
+        lengths = [1024] * (PAST // 1024) + [37, 1000, 300]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEVICE,
                           dtype=torch.int32)
         total, n, longest = sum(lengths), len(lengths), max(lengths)
@@ -118,7 +119,7 @@ def test_gated_delta_rule_offsets_past_2_31():
     q's size at K = V = 128) from about token 2^19 on."""
     dtype = torch.bfloat16
     with large_memory(90):
-        lengths = [4096] * 256 + [200, 300]
+        lengths = [4096] * (PAST // 4096) + [200, 300]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEVICE,
                           dtype=torch.int32)
         total, n = sum(lengths), len(lengths)
