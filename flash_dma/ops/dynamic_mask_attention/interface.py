@@ -544,6 +544,7 @@ def _scale(softmax_scale, head_dim):
     return float(softmax_scale)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
                    return_lse=False, deterministic=False):
     """Dynamic mask attention: softmax(scale q k^T + attn_bias, hidden where attn_mask is False) v.
@@ -574,6 +575,7 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
     return _finish(out, lse, return_lse)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
                           return_lse=False, deterministic=False):

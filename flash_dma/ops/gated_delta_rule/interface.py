@@ -533,6 +533,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -571,6 +572,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return o, (final if output_final_state else None)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                                    dv: torch.Tensor, g: torch.Tensor | None = None,
                                    gk: torch.Tensor | None = None, h0: torch.Tensor | None = None,
