@@ -17,6 +17,13 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream of a CUDA device is being captured into a CUDA graph.
+    Work done then only runs at replay: nothing derived from a tensor's contents may be
+    remembered for later calls, and host work captured in a graph never runs again."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str

@@ -12,6 +12,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .hardware import graph_capturing
+
 T = TypeVar("T")
 
 
@@ -23,7 +25,15 @@ class TensorKeyedCache:
         self.capacity = capacity
         self.entries: dict[int, tuple] = {}
 
-    def get(self, tensor: torch.Tensor, key: tuple, build: Callable[[], T]) -> T:
+    def get(self, tensor: torch.Tensor, key: tuple, build: Callable[[], T],
+            reuse_in_capture: bool = False) -> T:
+        """In CUDA graph capture the value is built without being remembered (unless
+        reuse_in_capture: a host value that the captured shapes depend on anyway): the building
+        kernels are then captured, so every replay derives it from the tensor's contents at that
+        time, where a value remembered before the capture would be replayed unchanged; and a value
+        computed only at replay is never handed to a later eager call."""
+        if not reuse_in_capture and graph_capturing(tensor.device):
+            return build()
         try:
             version = tensor._version
         except (RuntimeError, AttributeError):  # inference tensors carry no version counter

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ...config import ceil_div
+from ...hardware import graph_capturing
 from ...launch import compile_ahead, compile_ahead_enabled, launch
 from ...tensor_cache import TensorKeyedCache
 from ...validation import check_same_device, check_shape, check_tensor
@@ -73,7 +74,8 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> C
 def total_chunks(cu_seqlens: torch.Tensor) -> int:
     """Chunks of all packed sequences: read from the device once per cu_seqlens object (the one
     host synchronisation of the public bwd_dhu, which must size dh)."""
-    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), lambda: int(_chunk_counts(cu_seqlens).sum()))
+    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), lambda: int(_chunk_counts(cu_seqlens).sum()),
+                        reuse_in_capture=True)  # (dh's size: fixed in a graph anyway)
 
 
 def _chunk_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -495,7 +497,7 @@ def _compile_ahead(args: tuple, backward: bool) -> None:
             None if cu_seqlens is None else cu_seqlens.numel(), backward)
     if call in _CHECKED_CALLS:
         return
-    if not compile_ahead_enabled() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not compile_ahead_enabled() or graph_capturing(q.device):
         return
     if len(_CHECKED_CALLS) > 4096:  # varying lengths: bounded
         _CHECKED_CALLS.clear()

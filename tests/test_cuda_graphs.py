@@ -1,0 +1,97 @@
+"""Forward and backward captured in a CUDA graph (the usual whole-step capture: warm-up calls on
+the static tensors first, then capture, then new values copied in before each replay).
+
+What the host derives from a tensor's contents (a mask's tile lists, a varlen chunk layout) is
+remembered per tensor for eager calls; in capture it must be built by captured kernels instead, or
+every replay would reuse the lists of the warm-up mask. Each test changes that content between
+replays and compares with eager calls on the new values."""
+import pytest
+import torch
+
+from flash_dma import chunk_gated_delta_rule, flash_dma_func
+
+pytestmark = pytest.mark.gpu
+
+DTYPE = torch.bfloat16
+
+
+def _capture(step, leaves):
+    """Warm up step() on a side stream (as torch's docs do), then capture it; returns (graph,
+    the captured outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def _block_mask(B, H, S, block, density, device):
+    n = -(-S // block)
+    tiles = torch.rand(B, H, n, n, device=device) < density
+    mask = tiles.repeat_interleave(block, 2).repeat_interleave(block, 3)[:, :, :S, :S]
+    # some partial tiles too: a few entries hidden inside kept tiles
+    return mask & (torch.rand(B, H, S, S, device=device) < 0.97)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_mask_changes_between_replays(causal):
+    B, S, H, D = 2, 1000, 4, 128
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
+    bias = torch.randn(B, H, S, S, device="cuda", dtype=DTYPE)
+    mask = _block_mask(B, H, S, 128, 0.5, "cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+
+    def step():
+        out = flash_dma_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], is_causal=causal)
+        return (out,) + torch.autograd.grad(out, leaves, dout)
+
+    graph, captured = _capture(step, leaves)
+    for density in (0.3, 0.8):
+        new_mask = _block_mask(B, H, S, 128, density, "cuda")
+        new_inputs = [torch.randn_like(t) for t in (q, k, v, bias)]
+        with torch.no_grad():
+            mask.copy_(new_mask)
+            for leaf, x in zip(leaves, new_inputs):
+                leaf.copy_(x)
+        graph.replay()
+        fresh = [x.clone().requires_grad_() for x in new_inputs]
+        ref_out = flash_dma_func(*fresh[:3], attn_mask=new_mask.clone(), attn_bias=fresh[3],
+                                 is_causal=causal)
+        ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
+        for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), captured, ref):
+            assert not torch.isnan(got).any(), f"{name}: NaN"
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-2, f"density {density}: {name} differs from an eager call by {err:.2e}"
+
+
+def test_varlen_delta_rule_lengths_change_between_replays():
+    T, H, K, V = 3000, 4, 128, 128
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, K, device="cuda"), dim=-1).to(DTYPE)
+            for _ in range(2))
+    v = torch.randn(1, T, H, V, device="cuda", dtype=DTYPE)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, device="cuda") + 3)
+    beta = torch.rand(1, T, H, device="cuda").to(DTYPE)
+    do = torch.randn(1, T, H, V, device="cuda", dtype=DTYPE)
+    cu = torch.tensor([0, 700, 1500, 3000], device="cuda", dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+
+    def step():
+        o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu)
+        return (o,) + torch.autograd.grad(o, leaves, do)
+
+    graph, captured = _capture(step, leaves)
+    for bounds in ([0, 64, 2000, 3000], [0, 1, 1301, 3000]):  # same count, same total
+        cu.copy_(torch.tensor(bounds, device="cuda", dtype=torch.int32))
+        graph.replay()
+        fresh = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        ref_o, _ = chunk_gated_delta_rule(*fresh, cu_seqlens=cu.clone())
+        ref = (ref_o,) + torch.autograd.grad(ref_o, fresh, do)
+        for name, got, want in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), captured, ref):
+            assert not torch.isnan(got).any(), f"{name}: NaN"
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-2, f"lengths {bounds}: {name} differs from an eager call by {err:.2e}"
