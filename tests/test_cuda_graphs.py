@@ -8,7 +8,7 @@ replays and compares with eager calls on the new values."""
 import pytest
 import torch
 
-from flash_dma import chunk_gated_delta_rule, flash_dma_func
+from flash_dma import chunk_gated_delta_rule, flash_dma_func, flash_dma_varlen_func
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +67,33 @@ def test_attention_mask_changes_between_replays(causal):
             assert not torch.isnan(got).any(), f"{name}: NaN"
             err = ((got.double() - want.double()).norm() / want.double().norm()).item()
             assert err < 1e-2, f"density {density}: {name} differs from an eager call by {err:.2e}"
+
+
+def test_varlen_attention_mask_changes_between_replays():
+    lengths, H, D = [300, 0, 517], 4, 64
+    cu = torch.tensor([0, 300, 300, 817], device="cuda", dtype=torch.int32)
+    q, k, v, dout = (torch.randn(817, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
+    mask = _block_mask(3, H, max(lengths), 64, 0.5, "cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = flash_dma_varlen_func(*leaves, cu, cu, max(lengths), max(lengths), attn_mask=mask,
+                                    is_causal=True)
+        return (out,) + torch.autograd.grad(out, leaves, dout)
+
+    graph, captured = _capture(step, leaves)
+    new_mask = _block_mask(3, H, max(lengths), 64, 0.3, "cuda")
+    with torch.no_grad():
+        mask.copy_(new_mask)
+    graph.replay()
+    fresh = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = flash_dma_varlen_func(*fresh, cu, cu, max(lengths), max(lengths),
+                                    attn_mask=new_mask.clone(), is_causal=True)
+    ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, ref):
+        assert not torch.isnan(got).any(), f"{name}: NaN"
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < 1e-2, f"{name} differs from an eager call by {err:.2e}"
 
 
 def test_varlen_delta_rule_lengths_change_between_replays():

@@ -86,7 +86,8 @@ def _blocks_reduce(mask: torch.Tensor, dim: int, block: int, reduce) -> torch.Te
 def _sequence_lengths(cu_seqlens: torch.Tensor | None, fixed: int, device) -> torch.Tensor:
     """Per-sequence lengths as an int64 tensor shaped to broadcast over [N, H, blocks]."""
     if cu_seqlens is None:
-        return torch.tensor(fixed, device=device, dtype=torch.int64).view(1, 1, 1)
+        # (a fill, not a copy from the host: that could not be captured in a CUDA graph)
+        return torch.full((1, 1, 1), fixed, device=device, dtype=torch.int64)
     return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64).view(-1, 1, 1)
 
 
