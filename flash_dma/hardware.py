@@ -5,6 +5,7 @@ hot path, so it must not query the driver each time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -22,6 +23,15 @@ def graph_capturing(device: torch.device) -> bool:
     Work done then only runs at replay: nothing derived from a tensor's contents may be
     remembered for later calls, and host work captured in a graph never runs again."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def device_guard(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' device for the call (what
+    FlashAttention's C++ device guard and FLA's input guard do), so that tensors on another GPU
+    than the current one work."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from ... import tma
 from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
-from ...hardware import device_info, graph_capturing
+from ...hardware import device_guard, device_info, graph_capturing
 from ...launch import launch
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
@@ -508,8 +508,9 @@ class _DynamicMaskAttention(torch.autograd.Function):
             return None, None, None, None, None, None, None
         q, k, v, out, lse, mask, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = _attention_backward(ctx.problem, q, k, v, out, lse, dout, mask, bias,
-                                                ctx.mode, want_dbias, ctx.deterministic)
+        with device_guard(q.device):
+            dq, dk, dv, dbias = _attention_backward(ctx.problem, q, k, v, out, lse, dout, mask, bias,
+                                                    ctx.mode, want_dbias, ctx.deterministic)
         return dq, dk, dv, None, dbias, None, None
 
 
@@ -571,7 +572,8 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
     pb = _Problem(batch, heads, kv_heads, head_dim, seqlen_q, seqlen_k, False, bool(is_causal),
                   _scale(softmax_scale, head_dim), None, None)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+    with device_guard(device):
+        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
     return _finish(out, lse, return_lse)
 
 
@@ -606,5 +608,6 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     pb = _Problem(n_seq, heads, kv_heads, head_dim, max_seqlen_q, max_seqlen_k, True,
                   bool(is_causal), _scale(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+    with device_guard(device):
+        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
     return _finish(out, lse, return_lse)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ...config import ceil_div
-from ...hardware import graph_capturing
+from ...hardware import device_guard, graph_capturing
 from ...launch import compile_ahead, compile_ahead_enabled, launch
 from ...tensor_cache import TensorKeyedCache
 from ...validation import check_same_device, check_shape, check_tensor
@@ -472,8 +472,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v, g, gk, beta, initial_state, g_cum, ai = ctx.saved_tensors
         do = _rows(do)
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dgk, dbeta, dh0 = _backward(q, k, v, g, gk, beta, ctx.scale, initial_state,
-                                                    ctx.layout, do, dht, g_cum, ai)
+        with device_guard(q.device):
+            dq, dk, dv, dg, dgk, dbeta, dh0 = _backward(q, k, v, g, gk, beta, ctx.scale, initial_state,
+                                                        ctx.layout, do, dht, g_cum, ai)
         return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
 
 
@@ -565,9 +566,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
     args = (_rows(q), _rows(k), _rows(v), g32, gk32, _rows(beta), float(scale), initial_state,
             bool(output_final_state), cu_seqlens)
-    _compile_ahead(args, backward=torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state)))
-    o, final = ChunkGatedDeltaRuleFunction.apply(*args)
+    with device_guard(q.device):
+        _compile_ahead(args, backward=torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state)))
+        o, final = ChunkGatedDeltaRuleFunction.apply(*args)
     if pad_v:
         o = o[..., :V]
         final = None if final is None else final[..., :V]
@@ -617,10 +619,16 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
             check_shape(name, t, (n, HV, K, V), "[N, HV, K, V] fp32")
     if scale is None:
         scale = K ** -0.5
+    with device_guard(device):
+        return _public_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, float(scale), cu_seqlens)
+
+
+def _public_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale: float, cu_seqlens):
+    B, T, HV, K, V = q.shape[0], q.shape[1], do.shape[2], q.shape[3], do.shape[3]
     layout = chunk_layout(B, T, cu_seqlens)
     dh, dh0, dv2 = _bwd_dhu(_rows(q), _rows(k), _rows(w), _rows(do), _rows(dv), g if g is None else _rows(g),
                             gk if gk is None else _rows(gk), None if dht is None else _rows(dht),
-                            h0 is not None, float(scale), layout)
+                            h0 is not None, scale, layout)
     if layout.is_varlen:
         dh = dh[:total_chunks(cu_seqlens)].unsqueeze(0)
     else:
