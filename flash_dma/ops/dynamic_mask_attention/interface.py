@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import tma
+from ...autograd import first_order_only
 from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
 from ...hardware import device_guard, device_info, graph_capturing
 from ...launch import launch
@@ -511,7 +512,8 @@ class _DynamicMaskAttention(torch.autograd.Function):
         with device_guard(q.device):
             dq, dk, dv, dbias = _attention_backward(ctx.problem, q, k, v, out, lse, dout, mask, bias,
                                                     ctx.mode, want_dbias, ctx.deterministic)
-        return dq, dk, dv, None, dbias, None, None
+        return first_order_only("dynamic mask attention", (dq, dk, dv, None, dbias, None, None),
+                                (q, k, v, bias))
 
 
 def _check_qkv(q, k, v, varlen: bool):

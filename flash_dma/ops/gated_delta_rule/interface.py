@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ...autograd import first_order_only
 from ...config import ceil_div
 from ...hardware import device_guard, graph_capturing
 from ...launch import compile_ahead, compile_ahead_enabled, launch
@@ -475,7 +476,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         with device_guard(q.device):
             dq, dk, dv, dg, dgk, dbeta, dh0 = _backward(q, k, v, g, gk, beta, ctx.scale, initial_state,
                                                         ctx.layout, do, dht, g_cum, ai)
-        return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None
+        return first_order_only("chunk_gated_delta_rule",
+                                (dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None),
+                                (q, k, v, g, gk, beta, initial_state))
 
 
 # compile-time signatures whose kernels were compiled ahead (see _compile_ahead), and the exact
