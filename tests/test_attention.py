@@ -404,3 +404,24 @@ def test_transposed_inputs_and_broadcast_output_gradient():
     want = torch.autograd.grad(ref_out, ref_leaves + [ref_bias], dout.double())
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert_close(name, g, w, dtype)
+
+
+def test_global_deterministic_mode_selects_the_deterministic_backward(monkeypatch):
+    """torch.use_deterministic_algorithms(True) asks for the deterministic backward without the
+    argument, as it does of torch's own kernels."""
+    from flash_dma.ops.dynamic_mask_attention import interface
+    seen = []
+    real = interface._attention_backward
+    monkeypatch.setattr(interface, "_attention_backward",
+                        lambda *a: seen.append(a[-1]) or real(*a))
+    q, k, v, mask, bias = make_inputs(1, 9, 9, 2, 2, 16, DTYPES[-1], None, (1, 2, 9, 9))
+    leaves = [q.requires_grad_(), bias.requires_grad_()]
+    previous = torch.are_deterministic_algorithms_enabled()
+    for flag in (False, True):
+        torch.use_deterministic_algorithms(flag)
+        try:
+            out = flash_dma_func(leaves[0], k, v, attn_bias=leaves[1])
+            torch.autograd.grad(out.float().sum(), leaves)
+        finally:
+            torch.use_deterministic_algorithms(previous)
+    assert seen == [False, True]

@@ -547,6 +547,12 @@ def _scale(softmax_scale, head_dim):
     return float(softmax_scale)
 
 
+def _deterministic(requested) -> bool:
+    """deterministic=True, or torch.use_deterministic_algorithms(True) in effect (as torch's own
+    attention backward honours it)."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()
+
+
 @torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
                    return_lse=False, deterministic=False):
@@ -559,8 +565,8 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
     log, +inf for rows that see no key) with return_lse. Gradients reach q, k, v and attn_bias
     (in attn_bias's own shape). By default dq is summed over key tiles with fp32 atomics (and so
     is dbias over broadcast dims): bitwise run-to-run repeatability is not guaranteed.
-    deterministic=True fixes every reduction order: dq from a separate kernel, dbias from one fp32
-    partial per contributor summed in order.
+    deterministic=True (or torch.use_deterministic_algorithms(True)) fixes every reduction order:
+    dq from a separate kernel, dbias from one fp32 partial per contributor summed in order.
     """
     _check_qkv(q, k, v, varlen=False)
     device = check_same_device({"q": q, "k": k, "v": v, "attn_mask": attn_mask, "attn_bias": attn_bias})
@@ -575,7 +581,7 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
                   _scale(softmax_scale, head_dim), None, None)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, _deterministic(deterministic))
     return _finish(out, lse, return_lse)
 
 
@@ -611,5 +617,5 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   bool(is_causal), _scale(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, bool(deterministic))
+        out, lse = _DynamicMaskAttention.apply(q, k, v, mask, bias, pb, _deterministic(deterministic))
     return _finish(out, lse, return_lse)
