@@ -16,7 +16,7 @@ import torch
 from ... import tma
 from ...autograd import first_order_only
 from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
-from ...hardware import device_guard, device_info, graph_capturing
+from ...hardware import device_guard, device_info
 from ...launch import launch
 from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
                            last_dim_contiguous)
@@ -333,8 +333,8 @@ def _attention_backward(pb: _Problem, q, k, v, out, lse, dout, mask, bias, mode:
     walk_args = dict(num_heads=pb.num_heads, seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k,
                      is_causal=pb.is_causal, block_m=cfg.block_m, block_n=cfg.block_n,
                      key_major=True, device=q.device)
-    if key_mode != mode:  # (in CUDA graph capture built uncached: see TensorKeyedCache.get)
-        walk = (all_tiles_walk.__wrapped__ if graph_capturing(q.device) else all_tiles_walk)(**walk_args)
+    if key_mode != mode:
+        walk = all_tiles_walk(**walk_args)
     else:
         walk = cached_key_walk(mask, mode, cu_seqlens_q=pb.cu_q, cu_seqlens_k=pb.cu_k, **walk_args)
     alloc = torch.zeros if mode == kernels.KV_GATHER else torch.empty  # gathered-away keys: 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ceil_div
+from ...hardware import graph_capturing
 from ...tensor_cache import TensorKeyedCache
 from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
 
@@ -166,17 +167,26 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
     return KeyWalk(KV_BLOCK_LIST, count, index, num_heads // shape[1])
 
 
-@functools.lru_cache(maxsize=64)
-def all_tiles_walk(*, num_heads: int, seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
-                   block_n: int, key_major: bool, device: torch.device) -> KeyWalk:
-    """Block lists of every tile (without a mask; causal visibility and ragged ends folded in as
-    for a mask), shared by all batches and heads: the key-major backward walks them faster than
-    its dense walk (kernels' KV_MODE 1 against 0; see interface._key_major_mode). Fixed lengths
-    only; remembered per shape."""
+def _plan_all_tiles(*, num_heads: int, seqlen_q: int, seqlen_k: int, is_causal: bool, block_m: int,
+                    block_n: int, key_major: bool, device: torch.device) -> KeyWalk:
     return plan_key_walk(None, KV_BLOCK_LIST, num_heads=num_heads, seqlen_q=seqlen_q,
                          seqlen_k=seqlen_k, is_causal=is_causal, cu_seqlens_q=None,
                          cu_seqlens_k=None, block_m=block_m, block_n=block_n,
                          key_major=key_major, device=device)
+
+
+_remembered_all_tiles = functools.lru_cache(maxsize=64)(_plan_all_tiles)
+
+
+def all_tiles_walk(**kw) -> KeyWalk:
+    """Block lists of every tile (without a mask; causal visibility and ragged ends folded in as
+    for a mask), shared by all batches and heads: the key-major backward walks them faster than
+    its dense walk (kernels' KV_MODE 1 against 0; see interface._key_major_mode). Fixed lengths
+    only; remembered per shape, except in CUDA graph capture (lists made there are only filled at
+    replay: built each time, as TensorKeyedCache.get does)."""
+    if graph_capturing(kw["device"]):
+        return _plan_all_tiles(**kw)
+    return _remembered_all_tiles(**kw)
 
 
 # key walks of recent masks: the forward, the backward and every layer sharing a mask plan it once
