@@ -6,7 +6,8 @@ On a CUDA GPU: times each op beside its peers (those installed; a missing one is
 and prints a report per op: attention (dynamic mask attention), gdn (the chunked gated delta rule,
 forward and backward) and dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_dhu); all
 runs the three. Without a GPU it cannot time anything; it says so, runs a tiny
-correctness check of each op in Triton's CPU interpreter, and exits 0.
+correctness check of each op in Triton's CPU interpreter, and exits 0 if the check passed, 1 if
+not (with --json, the file records that nothing was timed and how the check ended).
 """
 from __future__ import annotations
 
@@ -88,14 +89,27 @@ def run_bench(ops, quick: bool = False, json_path: str | None = None, plot: str 
 def bench(args) -> int:
     import torch
     if not torch.cuda.is_available():
-        print("flash-dma bench: no CUDA GPU here, so nothing can be timed. Running a tiny "
-              "correctness check of each op in Triton's CPU interpreter instead.")
-        rc = _run_selfcheck()
-        if rc != 0:
-            print("flash-dma bench: the correctness check FAILED", file=sys.stderr)
-        return 0
+        return _bench_without_gpu(args)
     ops = OPS if args.op == "all" else (args.op,)
     return run_bench(ops, args.quick, args.json, args.plot, args.report, parse_cases(args.cases))
+
+
+def _bench_without_gpu(args) -> int:
+    print("flash-dma bench: no CUDA GPU here, so nothing can be timed. Running a tiny "
+          "correctness check of each op in Triton's CPU interpreter instead.")
+    passed = _run_selfcheck() == 0
+    outcome = "passed" if passed else "FAILED"
+    note = f"no CUDA GPU: nothing was timed; the interpreter correctness check {outcome}"
+    if not passed:
+        print("flash-dma bench: the correctness check FAILED", file=sys.stderr)
+    if args.json:
+        from .benchmarks.common import environment, write_json
+        write_json(args.json, "flash-dma bench (no GPU)", environment(), [], [note])
+        print(f"wrote {args.json} ({note})")
+    for flag in ("plot", "report"):
+        if getattr(args, flag):
+            print(f"note: --{flag} not written: {note}")
+    return 0 if passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

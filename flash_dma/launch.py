@@ -151,7 +151,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if _ENABLED is None:
         _ENABLED = fast_launch_enabled()
     if not _ENABLED:
-        kernel[grid](*args, **kwargs)
+        if interpreter_active():
+            _interpret(kernel, grid, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
         return
     driver = triton.runtime.driver.active
     device = driver.get_current_device()
@@ -179,6 +182,20 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
                  compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
                  hooks.launch_exit_hook, *full)
+
+
+def _interpret(kernel, grid, args, kwargs) -> None:
+    """In Triton's interpreter the kernels run as numpy code, which warns in the user's program
+    about the interpreter's own workings: the logarithm of an empty row's zero sum (-inf, as
+    intended) and the interpreter's conversion of one-element arrays to indices. Silence exactly
+    those."""
+    import warnings
+
+    import numpy
+    with numpy.errstate(divide="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Conversion of an array with ndim > 0",
+                                category=DeprecationWarning)
+        kernel[grid](*args, **kwargs)
 
 
 def forget() -> None:

@@ -18,8 +18,8 @@ from ...autograd import first_order_only
 from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
 from ...hardware import device_guard, device_info
 from ...launch import launch
-from ...validation import (check_cu_seqlens, check_head_dim, check_same_device, check_tensor,
-                           last_dim_contiguous)
+from ...validation import (check_cu_seqlens, check_head_dim, check_interpreter_dtype,
+                           check_same_device, check_tensor, cu_seqlens_values, last_dim_contiguous)
 from . import kernels
 from .sparsity import all_tiles_walk, cached_key_walk, choose_mode
 
@@ -521,6 +521,7 @@ def _check_qkv(q, k, v, varlen: bool):
     layout = "[total, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dims=dims, dtypes=_INPUT_DTYPES)
+    check_interpreter_dtype("q", q, (torch.float16,))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"k, v: expected q's dtype {q.dtype}, got k {k.dtype} and v {v.dtype}")
     if k.shape != v.shape:
@@ -591,8 +592,11 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                           return_lse=False, deterministic=False):
     """Dynamic mask attention over packed sequences.
 
-    q: [total_q, H, D]; k, v: [total_k, Hk, D]; cu_seqlens_q/k: int32 [N + 1] offsets starting
-    at 0; max_seqlen_q/k: at least the longest sequence (a host int, so no synchronisation).
+    q: [total_q, H, D]; k, v: [total_k, Hk, D]; cu_seqlens_q/k: int32 or int64 [N + 1] offsets
+    starting at 0, never decreasing, the last at most total_q/total_k; max_seqlen_q/k: host ints,
+    at least the longest sequence. The offsets are checked on the host once per tensor (one
+    synchronisation the first time a cu_seqlens tensor is seen), so bad values raise a ValueError
+    naming the argument instead of reaching a kernel.
     attn_mask/attn_bias are padded per sequence: ({1|N}, {1|Hk|H}, {1|max_seqlen_q},
     {1|max_seqlen_k}), indexed by (sequence, head, position in the sequence). Sequences of
     length 0 are fine. Returns out [total_q, H, D], and lse [H, total_q] with return_lse.
@@ -606,6 +610,8 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"{name}: expected a non-negative Python int, got {value!r}")
+    cu_seqlens_q = cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    cu_seqlens_k = cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     _, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     words = ("max_seqlen_q", "max_seqlen_k")

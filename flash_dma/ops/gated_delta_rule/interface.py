@@ -20,7 +20,8 @@ from ...config import ceil_div
 from ...hardware import device_guard, graph_capturing
 from ...launch import compile_ahead, compile_ahead_enabled, launch
 from ...tensor_cache import TensorKeyedCache
-from ...validation import check_same_device, check_shape, check_tensor
+from ...validation import (check_cu_seqlens, check_interpreter_dtype, check_same_device, check_shape,
+                           check_tensor, cu_seqlens_values)
 from . import config as gdn_config
 from .kernels import (
     gdn_bwd_dhu_kernel,
@@ -40,6 +41,7 @@ CHUNK = 64
 MAX_HEAD_DIM = 256
 _MIN_GPU_V = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_CPU_FLOATS = (torch.float16, torch.float32)  # in Triton's interpreter (see check_interpreter_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,22 +131,23 @@ def _check_head_dim(name: str, dim: int) -> None:
         raise ValueError(f"{name}: head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
 
 
-def _check_cu_seqlens(cu_seqlens, batch: int, device) -> None:
+def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device):
+    """The packed offsets as the kernels read them (int32), their values checked against T."""
     if cu_seqlens is None:
-        return
-    check_tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int32, torch.int64))
+        return None
+    check_cu_seqlens("cu_seqlens", cu_seqlens, min_count=1)
     if batch != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1 (all tokens along T), got B={batch}")
-    if cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens: expected N + 1 >= 2 offsets")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens: expected to be on {device} like q, got {cu_seqlens.device}")
+    return cu_seqlens_values("cu_seqlens", cu_seqlens, seq_len)
 
 
 def _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size):
     check_tensor("q", q, dims=4, dtypes=_FLOATS)
     check_tensor("k", k, dims=4, dtypes=_FLOATS)
     check_tensor("v", v, dims=4, dtypes=_FLOATS)
+    check_interpreter_dtype("q", q, _CPU_FLOATS)
     B, T, H, K = q.shape
     check_shape("k", k, (B, T, H, K), "like q: [B, T, H, K]")
     if v.shape[0] != B or v.shape[1] != T:
@@ -168,12 +171,12 @@ def _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size
         raise ValueError(f"chunk_size: only {CHUNK} is supported, got {chunk_size}")
     device = check_same_device({"q": q, "k": k, "v": v, "g": g, "gk": gk, "beta": beta,
                                 "initial_state": initial_state})
-    _check_cu_seqlens(cu_seqlens, B, device)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T, device)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, dtypes=(torch.float32,))
         n = B if cu_seqlens is None else cu_seqlens.numel() - 1
         check_shape("initial_state", initial_state, (n, HV, K, V), "[N, HV, K, V], N = number of sequences")
-    return B, T, H, HV, K, V
+    return B, T, H, HV, K, V, cu_seqlens
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -552,7 +555,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
-    B, T, H, HV, K, V = _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, chunk_size)
+    B, T, H, HV, K, V, cu_seqlens = _check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk,
+                                                     chunk_size)
     if scale is None:
         scale = K ** -0.5
     if use_qk_l2norm_in_kernel:
@@ -594,6 +598,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
         check_tensor(name, t, dims=4, dtypes=_FLOATS)
     check_tensor("do", do, dims=4, dtypes=_FLOATS)
     check_tensor("dv", dv, dims=4, dtypes=_FLOATS)
+    check_interpreter_dtype("q", q, _CPU_FLOATS)
     B, T, HQ, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     check_shape("k", k, (B, T, HQ, K), "like q")
@@ -614,7 +619,7 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
         check_shape("gk", gk, (B, T, HV, K), "[B, T, HV, K] chunk-local cumsum, fp32")
     device = check_same_device({"q": q, "k": k, "w": w, "do": do, "dv": dv, "g": g, "gk": gk,
                                 "h0": h0, "dht": dht})
-    _check_cu_seqlens(cu_seqlens, B, device)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T, device)
     n = B if cu_seqlens is None else cu_seqlens.numel() - 1
     for name, t in (("h0", h0), ("dht", dht)):
         if t is not None:
