@@ -7,7 +7,8 @@ import os, sys, time
 from collections import defaultdict
 sys.path.insert(0, os.getcwd())
 import torch
-from flash_dma import flash_dma_func, config
+from flash_dma import flash_dma_func
+from flash_dma.runtime import config
 from flash_dma.ops.dynamic_mask_attention import interface as AI
 from flash_dma.benchmarks.common import time_ms
 

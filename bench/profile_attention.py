@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from flash_dma import config, flash_dma_func  # noqa: E402
+from flash_dma import flash_dma_func  # noqa: E402
+from flash_dma.runtime import config  # noqa: E402
 from flash_dma.benchmarks.common import time_ms  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
 

@@ -3,7 +3,7 @@
     python bench/tune_attention.py [--head-dims 64 128 256] [--variants plain bias] [--out FILE]
 
 Each kernel is timed with each candidate (the others keep their current choice) on a
-representative shape; winners go to the persistent tuning cache (flash_dma.tuning_cache), every
+representative shape; winners go to the persistent tuning cache (flash_dma.runtime.tuning_cache), every
 timing to its profiling log, and a summary to --out so that the defaults in flash_dma/config.py
 can be updated from it.
 """
@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from flash_dma import config, flash_dma_func  # noqa: E402
+from flash_dma import flash_dma_func  # noqa: E402
+from flash_dma.runtime import config  # noqa: E402
 from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
 

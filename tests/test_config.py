@@ -3,8 +3,8 @@ import json
 
 import torch
 
-from flash_dma import config, tuning_cache
-from flash_dma.hardware import DeviceInfo
+from flash_dma.runtime import config, tuning_cache
+from flash_dma.runtime.hardware import DeviceInfo
 
 
 def test_defaults_fit_shared_memory():

@@ -161,3 +161,45 @@ def test_no_numpy_warning_reaches_user_code():
         warnings.simplefilter("error")
         out = flash_dma_func(q, q, q, attn_mask=mask)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def _random_offsets(gen, total):
+    """Offsets that are often wrong: past the tokens, decreasing, not starting at 0."""
+    n = int(torch.randint(1, 5, (1,), generator=gen))
+    lengths = torch.randint(0, total // 2 + 2, (n,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    if float(torch.rand(1, generator=gen)) < 0.2:
+        cu[int(torch.randint(0, n + 1, (1,), generator=gen))] += int(torch.randint(-9, 10, (1,), generator=gen))
+    return cu
+
+
+@pytest.mark.gpu
+def test_fuzzed_offsets_give_clear_errors_or_right_answers():
+    """Random, often wrong, cu_seqlens and max_seqlen: a ValueError naming an argument, or every
+    sequence right against the reference. (Run under compute-sanitizer memcheck on the GPU.)"""
+    gen = torch.Generator().manual_seed(0)
+    total, errors, answers = 48, 0, 0
+    for _ in range(40):
+        cu = _random_offsets(gen, total)
+        max_seqlen = int(torch.randint(0, total + 4, (1,), generator=gen))
+        q, k, v = _packed(total, dim=32)
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        cu_dev = cu.to(DEVICE, torch.int32)
+        try:
+            out = flash_dma_varlen_func(q, k, v, cu_dev, cu_dev, max_seqlen, max_seqlen, is_causal=True)
+        except ValueError as exc:
+            assert re.match(r"(cu_seqlens_[qk]|max_seqlen_[qk]): ", str(exc)), str(exc)
+            errors += 1
+            continue
+        answers += 1
+        for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+            if b > a:
+                ref, _ = attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], None, None, True)
+                assert rel_err(out[a:b], ref[0]) < 1e-2
+        gq, gk, gv, gg, gb = (t.to(DEVICE) for t in _gdn_inputs(torch.bfloat16, T=total))
+        try:
+            chunk_gated_delta_rule(gq, gk, gv, gg, gb, cu_seqlens=cu.to(DEVICE))
+        except ValueError as exc:
+            assert str(exc).startswith("cu_seqlens: "), str(exc)
+    torch.cuda.synchronize()
+    assert errors and answers

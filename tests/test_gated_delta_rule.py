@@ -539,7 +539,7 @@ def test_gpu_first_call_compiles_every_kernel_ahead(gate, monkeypatch):
     its forward and backward: nothing may compile or load once the real call runs. Head count 3
     and K = 96 are constants no other test uses, so the kernels are new here."""
     import triton
-    from flash_dma import launch as launch_mod
+    from flash_dma.runtime import launch as launch_mod
     from flash_dma.ops.gated_delta_rule import interface
     if not launch_mod.compile_ahead_enabled():
         pytest.skip("compile-ahead is off here (Triton version or FLASH_DMA_COMPILE_AHEAD=0)")

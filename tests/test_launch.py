@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dma import launch as fast
+from flash_dma.runtime import launch as fast
 from conftest import DEVICE
 
 

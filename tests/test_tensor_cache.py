@@ -3,7 +3,7 @@ import gc
 
 import torch
 
-from flash_dma.tensor_cache import TensorKeyedCache
+from flash_dma.runtime.tensor_cache import TensorKeyedCache
 
 
 def test_built_once_per_tensor_and_key():

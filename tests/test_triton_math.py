@@ -5,8 +5,8 @@ import triton
 import triton.language as tl
 
 from conftest import DEVICE, DTYPES
-from flash_dma import config
-from flash_dma.triton_math import exp2_poly, exp2_split
+from flash_dma.runtime import config
+from flash_dma.runtime.triton_math import exp2_poly, exp2_split
 
 
 @triton.jit

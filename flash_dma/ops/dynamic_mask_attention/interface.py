@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import tma
-from ...autograd import first_order_only
-from ...config import LaunchConfig, ceil_div, head_dim_block, select_config
-from ...hardware import device_guard, device_info
-from ...launch import launch
-from ...validation import (check_cu_seqlens, check_head_dim, check_interpreter_dtype,
+from ...runtime import tma
+from ...runtime.autograd import first_order_only
+from ...runtime.config import LaunchConfig, ceil_div, head_dim_block, select_config
+from ...runtime.hardware import device_guard, device_info
+from ...runtime.launch import launch
+from ...runtime.validation import (check_cu_seqlens, check_head_dim, check_interpreter_dtype,
                            check_same_device, check_tensor, cu_seqlens_values, last_dim_contiguous)
 from . import kernels
 from .sparsity import all_tiles_walk, cached_key_walk, choose_mode

@@ -28,7 +28,7 @@ Offsets that can pass 2^31 (token rows times strides) are computed in int64.
 import triton
 import triton.language as tl
 
-from ...triton_math import exp2_split
+from ...runtime.triton_math import exp2_split
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)

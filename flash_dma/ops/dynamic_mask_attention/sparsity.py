@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import ceil_div
-from ...hardware import graph_capturing
-from ...tensor_cache import TensorKeyedCache
+from ...runtime.config import ceil_div
+from ...runtime.hardware import graph_capturing
+from ...runtime.tensor_cache import TensorKeyedCache
 from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
 
 

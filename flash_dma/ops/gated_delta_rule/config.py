@@ -1,7 +1,7 @@
 """Launch configurations of the gated delta rule kernels.
 
 Chosen from the tuning cache (an entry stored under gdn/<kernel>/K<k>/V<v>/<GPU name> with
-flash_dma.tuning_cache.store, e.g. after a sweep on this GPU), else from defaults measured on Hopper
+flash_dma.runtime.tuning_cache.store, e.g. after a sweep on this GPU), else from defaults measured on Hopper
 (the sweeps are logged in bench/results/s5-ab-*.txt and s8-probes-*.txt), keyed by kernel and
 padded head dims. In the interpreter small tiles make small test shapes cross tile boundaries.
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import tuning_cache
-from ...config import head_dim_block, remember_until_retuned
-from ...hardware import device_info, interpreter_active
+from ...runtime import tuning_cache
+from ...runtime.config import head_dim_block, remember_until_retuned
+from ...runtime.hardware import device_info, interpreter_active
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ...autograd import first_order_only
-from ...config import ceil_div
-from ...hardware import device_guard, graph_capturing
-from ...launch import compile_ahead, compile_ahead_enabled, launch
-from ...tensor_cache import TensorKeyedCache
-from ...validation import (check_cu_seqlens, check_interpreter_dtype, check_same_device, check_shape,
+from ...runtime.autograd import first_order_only
+from ...runtime.config import ceil_div
+from ...runtime.hardware import device_guard, graph_capturing
+from ...runtime.launch import compile_ahead, compile_ahead_enabled, launch
+from ...runtime.tensor_cache import TensorKeyedCache
+from ...runtime.validation import (check_cu_seqlens, check_interpreter_dtype, check_same_device, check_shape,
                            check_tensor, cu_seqlens_values)
 from . import config as gdn_config
 from .kernels import (

@@ -8,10 +8,12 @@ In Triton's CPU interpreter small tiles are used so that small test shapes still
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import triton
@@ -31,6 +33,72 @@ class LaunchConfig:
 
 
 INTERPRETER_CONFIG = LaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def config_name(cfg: LaunchConfig) -> str:
+    """A configuration as the profiling log names it: BM64_BN128_W8_S2 (+ _WS, _POLY)."""
+    name = f"BM{cfg.block_m}_BN{cfg.block_n}_W{cfg.num_warps}_S{cfg.num_stages}"
+    return name + ("_WS" if cfg.warp_specialize else "") + ("_POLY" if cfg.exp2_poly else "")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A launch choice and where it came from: "table" (defaults measured on Hopper), "tuning
+    cache" (a sweep on this GPU), "rule" (fitted to this device's shared memory, or derived from
+    the problem), "override" (config.overrides) or "interpreter" (small tiles on the CPU)."""
+    value: Any
+    source: str
+
+
+# ------------------------------------------------------------------------------------------------
+# Overrides: the one way tests and benchmarks change a choice (never module globals)
+# ------------------------------------------------------------------------------------------------
+_DECLARED: dict[str, tuple[Any, tuple, str]] = {}
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("flash_dma_overrides", default={})
+
+
+def declare_choice(name: str, default: Any, allowed: Iterable[Any], doc: str) -> None:
+    """Ops declare each strategy choice they read through `choice`, so that `overrides` can
+    refuse a misspelt name or a value the op does not know."""
+    _DECLARED[name] = (default, tuple(allowed), doc)
+
+
+def declared_choices() -> dict[str, tuple[Any, tuple, str]]:
+    return dict(_DECLARED)
+
+
+@contextlib.contextmanager
+def overrides(**choices):
+    """Inside, each named choice takes the given value instead of the op's own rule, e.g.
+    `with config.overrides(attention_dq_strategy="kernel"): ...`. A launch configuration is
+    overridden by its kernel name with a LaunchConfig (`attn_fwd=LaunchConfig(64, 64, 4, 2)`).
+    Plans built inside carry source="override" for what was overridden."""
+    for name, value in choices.items():
+        if isinstance(value, LaunchConfig):
+            continue
+        if name not in _DECLARED:
+            raise ValueError(f"overrides: unknown choice {name!r}; known: {sorted(_DECLARED)}")
+        allowed = _DECLARED[name][1]
+        if allowed and value not in allowed:
+            raise ValueError(f"overrides: {name} must be one of {allowed}, got {value!r}")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), **choices})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def overridden(name: str) -> Any | None:
+    """The override in force for a choice or a kernel's launch configuration, else None."""
+    return _OVERRIDES.get().get(name)
+
+
+def choice(name: str) -> Chosen:
+    """A declared strategy choice: its override, else its default."""
+    value = overridden(name)
+    if value is not None:
+        return Chosen(value, "override")
+    return Chosen(_DECLARED[name][0], "table")
 
 
 def head_dim_block(head_dim: int) -> int:
