@@ -1,6 +1,8 @@
 """The `flash-dma` command.
 
     flash-dma bench [attention|gdn|dhu|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
+    flash-dma tune [attention|gdn] [--quick]
+    flash-dma env [--attention SHAPE] [--gdn SHAPE]
 
 On a CUDA GPU: times each op beside its peers (those installed; a missing one is named in a note)
 and prints a report per op: attention (dynamic mask attention), gdn (the chunked gated delta rule,
@@ -112,6 +114,63 @@ def _bench_without_gpu(args) -> int:
     return 0 if passed else 1
 
 
+_PEERS = (("flash_attn.cute", "FlashAttention-4 (CuTe DSL)", "flash-attn-4"),
+          ("cutlass", "CuTe DSL", "nvidia-cutlass-dsl"),
+          ("flash_sparse_attn", "flash-sparse-attn", "flash-sparse-attn"),
+          ("flash_dmattn", "flash-dmattn", "flash-dmattn"),
+          ("fla", "flash-linear-attention", "flash-linear-attention"),
+          ("flash_qla", "FlashQLA", "flash-qla"))
+
+
+def _version(distribution: str, module: str) -> str | None:
+    """The installed version of a package, without importing it (imports can take seconds)."""
+    import importlib.metadata
+    import importlib.util
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return "installed" if importlib.util.find_spec(module) is not None else None
+        except (ImportError, ValueError):
+            return None
+
+
+def env(args) -> int:
+    import torch
+    import triton
+
+    from .runtime import config, tuning_cache
+    from .runtime.hardware import device_info, interpreter_active
+    print(f"flash-dma {__import__('flash_dma').__version__} | torch {torch.__version__} | "
+          f"triton {triton.__version__} | CUDA {torch.version.cuda}")
+    if torch.cuda.is_available():
+        info = device_info(torch.device("cuda"))
+        print(f"device: {info.name}, sm{info.arch}, {info.sm_count} SMs, "
+              f"{info.shared_memory_per_block // 1024} KB shared memory per block, "
+              f"{info.l2_bytes // 2 ** 20} MB L2")
+    else:
+        state = "on" if interpreter_active() else "off (set TRITON_INTERPRET=1 to run on the CPU)"
+        print(f"device: no CUDA GPU; Triton's CPU interpreter {state}")
+    print("backends: triton " + triton.__version__)
+    for module, name, dist in _PEERS:
+        version = _version(dist, module)
+        print(f"  {name}: {version or 'not installed'}")
+    path = tuning_cache.cache_dir()
+    entries = len(tuning_cache.entries())
+    print(f"tuning cache: {path} ({entries} entries); profiling log: set FLASH_DMA_PROFILE=1")
+    print("choices (override with flash_dma.runtime.config.overrides):")
+    for name, (default, allowed, doc) in sorted(config.declared_choices().items()):
+        values = "/".join(map(str, allowed)) if allowed else "any"
+        print(f"  {name} = {default!r} ({values}): {doc}")
+    for op, shape in (("attention", args.attention), ("gdn", args.gdn)):
+        if shape:
+            from .benchmarks.plans import describe
+            print(f"{op} plan for {shape}:")
+            for line in describe(op, shape):
+                print("  " + line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flash-dma", description="flash-dma: trainable attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")
     b.add_argument("--cases", metavar="LABELS", help="gdn: some cases of the op plan, by label, "
                    "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256')")
+    e = sub.add_parser("env", help="device facts, installed backends and peers, tuning cache, and "
+                       "what would run for a shape")
+    e.add_argument("--attention", metavar="SHAPE", help="e.g. 'B=2 S=4096 H=16 Hk=16 D=128 "
+                   "bias=B,H,S,S causal'")
+    e.add_argument("--gdn", metavar="SHAPE", help="e.g. 'B=1 T=32768 H=16 K=128 V=128'")
     return parser
 
 
@@ -136,6 +200,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench(args)
+    if args.command == "env":
+        return env(args)
     return 2
 
 

@@ -56,6 +56,11 @@ def lookup(key: str) -> dict[str, Any] | None:
         return _load().get(key)
 
 
+def entries() -> dict[str, dict[str, Any]]:
+    with _LOCK:
+        return dict(_load())
+
+
 def store(key: str, value: dict[str, Any]) -> None:
     """Record a tuned value and rewrite the cache file atomically (never a half-written file)."""
     global _GENERATION
