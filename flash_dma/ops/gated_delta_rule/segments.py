@@ -1,0 +1,173 @@
+"""Sequence parallelism of the delta rule's state passes: a sequence cut into segments.
+
+The state recursion is affine in the state, chunk by chunk: S_{c+1} = A_c S_c + B_c with A_c a
+[K, K] matrix (the decay and the delta rule's projection) and B_c a [K, V] matrix; every column of
+S evolves under the same A_c. A segment of chunks [s, e) therefore maps its starting state to its
+end state by S_e = M S_s + N, with M = A_{e-1} ... A_s (the state pass run from the identity with
+the constant terms left out) and N its local end state (the state pass run from zero). So:
+
+1. every segment of every sequence runs at once: N (V columns, from zero) and M (K columns, from
+   the identity, constant terms zero), keeping only the end states;
+2. a short sequential join walks each sequence's segments, S_{j+1} = M_j S_j + N_j, from the
+   sequence's initial state, giving every segment its true starting state and the final state;
+3. every segment runs once more from its true starting state, writing the per-chunk states.
+
+Exact: nothing is truncated, only regrouped. The backward's state-gradient pass is the same
+recursion run right to left on transposed matrices, so it uses the same join with `reverse`.
+Context parallelism across GPUs (ranks instead of segments) joins with the same function.
+
+Segments start at chunk boundaries of their sequence, so chunk-local quantities (gate cumsums,
+the WY inverse) are the same whether a sequence is split or not. A sequence always has at least
+one segment (an empty one carries its initial state to its final state).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...runtime.config import ceil_div
+from ...runtime.launch import launch
+
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Segments of the packed sequences, as a varlen layout the state passes read.
+
+    Slots are numbered sequence by sequence, segment by segment; the used ones come first, the
+    rest (up to the host-known bound num_slots) have length 0 and start at the last used end."""
+    num_slots: int  # host-known upper bound on the segments (grid size)
+    chunks_per_segment: int
+    cu_seqlens: torch.Tensor  # [num_slots + 1] int32 token bounds of each slot
+    chunk_offsets: torch.Tensor  # [num_slots] int32 global chunk index of each slot's first chunk
+    first_slot: torch.Tensor  # [N] int32 first slot of each sequence
+    slot_count: torch.Tensor  # [N] int32 segments of each sequence (>= 1)
+
+
+def segment_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
+                   chunks_per_segment: int, device: torch.device) -> SegmentLayout:
+    """Cut every sequence into segments of chunks_per_segment chunks (the last one shorter), on
+    the device, without a host synchronisation. Equal lengths (cu_seqlens None): B sequences of T
+    tokens, addressed as one packed sequence of B * T tokens with per-sequence chunk numbering
+    b * NT + c, as the unsplit passes number them."""
+    seg_tokens = chunks_per_segment * CHUNK
+    if cu_seqlens is None:
+        nt = ceil_div(seq_len, CHUNK)
+        starts = torch.arange(batch, device=device, dtype=torch.int64) * seq_len
+        lengths = torch.full((batch,), seq_len, device=device, dtype=torch.int64)
+        chunk0 = torch.arange(batch, device=device, dtype=torch.int64) * nt
+        bound = batch * max(ceil_div(seq_len, seg_tokens), 1)
+        end_all = torch.full((1,), batch * seq_len, device=device, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        chunk_counts = (lengths + CHUNK - 1) // CHUNK
+        chunk0 = torch.cumsum(chunk_counts, 0) - chunk_counts
+        # every sequence adds at most one partial segment, and at least one segment
+        bound = ceil_div(seq_len, seg_tokens) + cu.numel() - 1
+        end_all = cu[-1:]
+    n = lengths.numel()
+    counts = torch.clamp((lengths + seg_tokens - 1) // seg_tokens, min=1)
+    ends = torch.cumsum(counts, 0)
+    first = ends - counts
+    slot = torch.arange(bound, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(ends, slot, right=True)
+    used = seq < n
+    seq_c = seq.clamp(max=max(n - 1, 0))
+    local = slot - first[seq_c] if n > 0 else slot
+    tok_start = torch.where(used, starts[seq_c] + local * seg_tokens, end_all) if n > 0 else end_all.expand(bound)
+    seg_cu = torch.cat([tok_start, end_all]).to(torch.int32)
+    offsets = torch.where(used, chunk0[seq_c] + local * chunks_per_segment, 0) if n > 0 else slot * 0
+    return SegmentLayout(bound, chunks_per_segment, seg_cu.contiguous(), offsets.to(torch.int32).contiguous(),
+                         first.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous())
+
+
+@triton.jit
+def segment_join_kernel(transition, local, initial, starts, final, first_slot, slot_count,
+                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, BKR: tl.constexpr, HAS_INITIAL: tl.constexpr,
+                        REVERSE: tl.constexpr):
+    """One program per (V tile, sequence x head): walks the sequence's segments (right to left
+    with REVERSE), storing each segment's starting state and ending with the sequence's final
+    state, S <- transition[slot] S + local[slot]. The running state lives in `final` between
+    steps: the product is formed in row blocks of BKR, which cannot be gathered back into one
+    register tile."""
+    v_tile = tl.program_id(0)
+    seq_hv = tl.program_id(1)
+    seq = seq_hv // HV
+    hv = seq_hv % HV
+    krows = tl.arange(0, BK)
+    vcols = v_tile * BV + tl.arange(0, BV)
+    tile_mask = (krows < K)[:, None] & (vcols < V)[None, :]
+    tile_offs = krows[:, None] * V + vcols[None, :]
+    own = final + (seq * HV + hv).to(tl.int64) * K * V
+    if HAS_INITIAL:
+        state = tl.load(initial + (seq * HV + hv).to(tl.int64) * K * V + tile_offs, mask=tile_mask,
+                        other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    first = tl.load(first_slot + seq)
+    count = tl.load(slot_count + seq)
+    for j in range(0, count):
+        if REVERSE:
+            slot = first + count - 1 - j
+        else:
+            slot = first + j
+        base = (slot * HV + hv).to(tl.int64)
+        tl.store(starts + base * K * V + tile_offs, state, mask=tile_mask)
+        for r0 in tl.static_range(0, BK, BKR):
+            rows = r0 + tl.arange(0, BKR)
+            row_mask = (rows < K)[:, None] & (vcols < V)[None, :]
+            acc = tl.load(local + base * K * V + rows[:, None] * V + vcols[None, :], mask=row_mask, other=0.0)
+            m = tl.load(transition + base * K * K + rows[:, None] * K + krows[None, :],
+                        mask=(rows < K)[:, None] & (krows < K)[None, :], other=0.0)
+            acc += tl.dot(m, state, input_precision="ieee")
+            tl.store(own + rows[:, None] * V + vcols[None, :], acc, mask=row_mask)
+        tl.debug_barrier()  # every row block stored before the whole state is read back
+        state = tl.load(own + tile_offs, mask=tile_mask, other=0.0)
+        tl.debug_barrier()  # read by every thread before the next step overwrites it
+    tl.store(own + tile_offs, state, mask=tile_mask)
+
+
+def join_segments(transition: torch.Tensor, local: torch.Tensor, layout: SegmentLayout,
+                  initial: torch.Tensor | None, reverse: bool = False):
+    """transition [num_slots, HV, K, K] fp32 (each segment's M, or M^T for the backward), local
+    [num_slots, HV, K, V] fp32 (each segment's end state from zero), initial [N, HV, K, V] or None
+    (zeros). Returns (starts [num_slots, HV, K, V] fp32: each segment's true starting state, final
+    [N, HV, K, V] fp32: each sequence's end state)."""
+    slots, HV, K, V = local.shape
+    n = layout.first_slot.numel()
+    starts = torch.zeros(slots, HV, K, V, device=local.device, dtype=torch.float32)
+    final = torch.empty(n, HV, K, V, device=local.device, dtype=torch.float32)
+    if n == 0:
+        return starts, final
+    on_gpu = local.device.type == "cuda"
+    bk = max(16, triton.next_power_of_2(K))
+    bv = 16
+    bkr = min(64 if on_gpu else 16, bk)
+    launch(segment_join_kernel, (ceil_div(V, bv), n * HV),
+           transition, local, initial if initial is not None else local, starts, final,
+           layout.first_slot, layout.slot_count,
+           HV=HV, K=K, V=V, BK=bk, BV=bv, BKR=bkr, HAS_INITIAL=initial is not None, REVERSE=reverse,
+           num_warps=4 if on_gpu else 1)
+    return starts, final
+
+
+def join_segments_reference(transition, local, layout: SegmentLayout, initial, reverse: bool = False):
+    """The join in fp64 with a Python loop (tests)."""
+    slots, HV, K, V = local.shape
+    first, count = layout.first_slot.tolist(), layout.slot_count.tolist()
+    starts = torch.zeros(slots, HV, K, V, dtype=torch.float64)
+    final = torch.empty(len(first), HV, K, V, dtype=torch.float64)
+    for s, (f, c) in enumerate(zip(first, count)):
+        state = initial[s].double() if initial is not None else torch.zeros(HV, K, V, dtype=torch.float64)
+        order = range(f + c - 1, f - 1, -1) if reverse else range(f, f + c)
+        for slot in order:
+            starts[slot] = state
+            state = transition[slot].double() @ state + local[slot].double()
+        final[s] = state
+    return starts, final
