@@ -29,7 +29,7 @@ def compact_kept_keys_kernel(
     mask_row = MASK + b * stride_mb + (hk // mask_head_div).to(tl.int64) * stride_mh
     out_row = KEPT_INDEX + b * stride_ib + hk.to(tl.int64) * stride_ih
     offs = tl.arange(0, CHUNK)
-    count = 0
+    count = tl.zeros([], tl.int32)  # (a tensor from the start: it is carried by the loop)
     for chunk_start in range(0, limit, CHUNK):
         pos = chunk_start + offs
         keep = tl.load(mask_row + pos.to(tl.int64) * stride_mk, mask=pos < limit, other=0) != 0

@@ -140,19 +140,19 @@ def decode_split_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2
-    out = tl.where(row_valid, out, float("nan"))
     row_h = h.to(tl.int64)
     store_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        # an empty split contributes weight exp(-inf) = 0 to the merge
+        # an empty split contributes weight exp(-inf) = 0 to the merge; an invalid row saw no
+        # key (seqlen_k = 0) and the merge marks it
         lse = tl.where(empty, float("-inf"), lse)
-        lse = tl.where(row_valid, lse, float("nan"))
         # partials are packed [splits, B, H, Sq] rows (of HEAD_DIM values for the output)
         batch = tl.num_programs(1) // num_kv_heads
         part_row = ((split.to(tl.int64) * batch + b64) * (num_kv_heads * group) + row_h) * seqlen_q + i
         tl.store(O_PART + part_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_ok)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
     else:
+        out = tl.where(row_valid, out, float("nan"))
         lse = tl.where(empty, float("inf"), lse)
         lse = tl.where(row_valid, lse, float("nan"))
         o_ptrs = (OUT + b64 * stride_ob + i.to(tl.int64)[:, None] * stride_os
