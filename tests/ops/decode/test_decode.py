@@ -395,3 +395,18 @@ def test_gpu_cache_past_2_31_elements():
     assert_close("out (last row)", out[-1:], ref, dtype)
     assert_lse_close(lse[-1:], ref_lse)
     assert not torch.isnan(out).any()
+
+
+def test_bench_plan_lists_the_issue_configurations():
+    from flash_dma.benchmarks import decode
+    labels = [c.label for _, cases in decode.sections(quick=False) for c in cases]
+    assert any("cache 32768" in lab and "top-1024" in lab for lab in labels)
+    assert any("pages of 16" in lab for lab in labels) and any("pages of 256" in lab for lab in labels)
+    assert decode.DecodeCase("x", 64, 32, 8, 128, 8192).cache_bytes() == 2 * 64 * 8192 * 8 * 128 * 2
+
+
+def test_split_plan():
+    from flash_dma.ops.decode.plan import choose_splits
+    assert choose_splits(512, 512, 132) == 1          # B64 Hk8: the programs fill the GPU alone
+    assert 20 <= choose_splits(8, 512, 132) <= 33     # B1 Hk8: split the keys to fill it
+    assert choose_splits(8, 4, 132) == 1              # too few key tiles to split
