@@ -21,6 +21,11 @@ MIN_TILES_PER_SPLIT = 4
 PROGRAMS_PER_SM = 2
 
 
+# Launch settings that replace the rule's (keys: block_n, num_warps, num_stages); set by
+# bench/tune_decode.py's sweeps, empty otherwise. The defaults below are not measured yet.
+OVERRIDES: dict = {}
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     num_splits: int
@@ -61,6 +66,9 @@ def plan_decode(device: torch.device, *, batch: int, kv_heads: int, packed_rows:
         block_m = min(max(16, 1 << (packed_rows - 1).bit_length()), 64)
         block_n = 64 if padded_d <= 128 else 32
         warps, stages = 4, (3 if padded_d <= 128 else 2)
+    block_n = OVERRIDES.get("block_n", block_n)
+    warps = OVERRIDES.get("num_warps", warps)
+    stages = OVERRIDES.get("num_stages", stages)
     row_blocks = ceil_div(packed_rows, block_m)
     key_tiles = max(ceil_div(max_keys, block_n), 1)
     if num_splits is None or num_splits <= 0:

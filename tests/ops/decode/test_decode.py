@@ -375,26 +375,67 @@ def test_gpu_batch_idx_dense_mask_bias():
 
 @pytest.mark.gpu
 def test_gpu_cache_past_2_31_elements():
-    """B64 S32768 Hk8 D128: each cache holds 2^31 elements (offsets need int64)."""
+    """B66 S32768 Hk8 D128: each cache holds more than 2^31 elements, so offsets into the last
+    rows need int64 (appending there and reading there)."""
     if torch.cuda.get_device_properties(0).total_memory < 24 * 2 ** 30:
         pytest.skip("needs 24 GiB of GPU memory")
     dtype = torch.bfloat16
-    B, H, Hk, D, S_max = 64, 8, 8, 128, 32768
+    B, H, Hk, D, S_max = 66, 8, 8, 128, 32768
+    assert B * S_max * Hk * D > 2 ** 31
     k_cache = torch.zeros(B, S_max, Hk, D, device=DEVICE, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
+    k_cache[-1].normal_()
+    v_cache[-1].normal_()
     q = torch.randn(B, 1, H, D, device=DEVICE, dtype=dtype)
     lengths = torch.full((B,), S_max - 40, device=DEVICE, dtype=torch.int32)
-    k_cache[-1] = torch.randn(S_max, Hk, D, device=DEVICE, dtype=dtype)
-    v_cache[-1] = torch.randn(S_max, Hk, D, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(B, 1, Hk, D, device=DEVICE, dtype=dtype) for _ in range(2))
-    out, lse = flash_dma_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                      return_lse=True)
-    assert torch.equal(k_cache[-1, S_max - 40], k[-1, 0]) and torch.equal(v_cache[-1, S_max - 40], v[-1, 0])
-    ref, ref_lse, _, _ = decode_reference(q[-1:], k_cache[-1:], v_cache[-1:],
-                                          cache_seqlens=S_max - 39)
-    assert_close("out (last row)", out[-1:], ref, dtype)
-    assert_lse_close(lse[-1:], ref_lse)
-    assert not torch.isnan(out).any()
+    for splits in (1, 4):
+        out, lse = flash_dma_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                          return_lse=True, num_splits=splits)
+        assert torch.equal(k_cache[-1, S_max - 40], k[-1, 0])
+        assert torch.equal(v_cache[-1, S_max - 40], v[-1, 0])
+        ref, ref_lse, _, _ = decode_reference(q[-1:], k_cache[-1:], v_cache[-1:],
+                                              cache_seqlens=S_max - 39)
+        assert_close("out (last row)", out[-1:], ref, dtype)
+        assert_lse_close(lse[-1:], ref_lse)
+        assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_lengths():
+    """Captured once (append, key-wise compaction, split kernel, merge), replayed with new
+    lengths, queries and tokens copied into the static tensors: no host synchronisation inside."""
+    dtype = torch.bfloat16
+    B, H, Hk, D, S_max = 4, 16, 4, 128, 2048
+    q = torch.randn(B, 1, H, D, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = make_cache(B, S_max, Hk, D, dtype)
+    k, v = (torch.randn(B, 1, Hk, D, device=DEVICE, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([100, 2000, 0, 1500], device=DEVICE, dtype=torch.int32)
+    bias = torch.randn(B, Hk, 1, S_max, device=DEVICE, dtype=dtype)
+    mask = topk_mask_from_bias(bias, 256)
+
+    def step():
+        return flash_dma_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                      attn_mask=mask, attn_bias=bias, num_splits=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_lengths in ([7, 1000, 2047, 0], [2047, 3, 512, 1999]):
+        lengths.copy_(torch.tensor(new_lengths, device=DEVICE, dtype=torch.int32))
+        q.normal_(), k.normal_(), v.normal_()
+        mask.copy_(topk_mask_from_bias(torch.randn_like(bias), 256))
+        ref_out, _, ref_k, _ = decode_reference(q, k_cache.clone(), v_cache.clone(), k, v,
+                                                cache_seqlens=lengths, attn_mask=mask,
+                                                attn_bias=bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close("out", out, ref_out, dtype)
+        assert torch.equal(k_cache, ref_k)
 
 
 def test_bench_plan_lists_the_issue_configurations():
