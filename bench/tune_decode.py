@@ -1,11 +1,13 @@
 """Sweep the decode kernel's launch settings on this GPU and print every time.
 
-    python bench/tune_decode.py [--quick]
+    python bench/tune_decode.py [--quick] [--only TEXT]
 
 For each configuration of the decode benchmark's plan (full cache 8192 and 32768, B1 splits,
 key-wise top-1024, paged), times flash_dma_with_kvcache under every (block_n, num_warps,
 num_stages) and a few split counts, and prints the best beside the default. Nothing is stored:
-put the winners into flash_dma/ops/decode/plan.py by hand.
+put the winners into flash_dma/ops/decode/plan.py by hand. --only keeps the configurations
+whose label contains TEXT (each setting compiles once per configuration: the whole sweep may
+not fit one 10-minute device call).
 """
 import itertools
 import os
@@ -20,9 +22,9 @@ from flash_dma.benchmarks.decode import make_inputs, ours, sections  # noqa: E40
 from flash_dma.ops.decode import plan  # noqa: E402
 
 
-def main(quick: bool) -> None:
-    cases = [c for _, group in sections(quick) for c in group]
-    grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))
+def main(quick: bool, only: str | None) -> None:
+    cases = [c for _, group in sections(quick) for c in group if only is None or only in c.label]
+    grid = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
     for case in cases:
         x = make_inputs(case)
         run = ours(case, x)
@@ -67,4 +69,5 @@ def ours_with_splits(case, x, splits):
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv[1:])
+    args = sys.argv[1:]
+    main("--quick" in args, args[args.index("--only") + 1] if "--only" in args else None)
