@@ -141,10 +141,22 @@ def flex(case: DecodeCase, x: Inputs) -> Runner:
             if hasattr(dynamo.config, knob):
                 setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    from torch.nn.attention.flex_attention import create_block_mask
     q, k, v = _bhsd(x)
+    score_mod = block_mask = None
+    if x.mask is not None:  # the key-wise top-w case: bias as a score_mod, the mask as a mask_mod
+        bias, keep, group = x.bias, x.mask, case.H // case.Hk
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h // group, 0, kv_idx]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return keep[b, h // group, 0, kv_idx]
+        block_mask = create_block_mask(mask_mod, case.B, case.H, case.Sq, case.S, device=q.device)
 
     def run():
-        return _FLEX_COMPILED(q, k, v, enable_gqa=True).transpose(1, 2)
+        return _FLEX_COMPILED(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                              enable_gqa=True).transpose(1, 2)
     return run
 
 
@@ -250,7 +262,7 @@ def sections(quick: bool) -> list[tuple[str, list[DecodeCase]]]:
         plain.append(DecodeCase("B64 Sq4 H32 Hk8 D128 cache 8192, 4 appended (speculative)", 64, 32,
                                 8, 128, 8192, Sq=4, append=True))
     sparse = [DecodeCase("B64 Sq1 H32 Hk8 D128 cache 32768, top-1024 keys bias[B,Hk,1,S]", 64, 32,
-                         8, 128, 32768, topk=1024, peers=("ours-no-mask", "sdpa-efficient"))]
+                         8, 128, 32768, topk=1024, peers=("ours-no-mask", "flex", "sdpa-efficient"))]
     paged = [DecodeCase(f"B64 Sq1 H32 Hk8 D128 cache 8192, pages of {p}", 64, 32, 8, 128, 8192,
                         page_size=p, peers=("ours-contiguous",)) for p in (16, 256)]
     return [("decoding over a full cache (GB/s of cache bytes read)", plain),

@@ -127,7 +127,7 @@ def _lengths(cache_seqlens, batch: int, capacity: int, new_tokens: int, device) 
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens: expected shape [{batch}] (one length per batch row), "
                          f"got {tuple(cache_seqlens.shape)}")
-    return cache_seqlens
+    return cache_seqlens.contiguous()  # (the kernels read entry b at offset b)
 
 
 def _keywise_gather(mask, heads: int, kv_heads: int) -> bool:
