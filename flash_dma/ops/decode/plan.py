@@ -21,8 +21,9 @@ MIN_TILES_PER_SPLIT = 4
 PROGRAMS_PER_SM = 2
 
 
-# Launch settings that replace the rule's (keys: block_n, num_warps, num_stages); set by
-# bench/tune_decode.py's sweeps, empty otherwise. The defaults below are not measured yet.
+# Launch settings that replace the rule's (keys: block_m, block_n, num_warps, num_stages); set by
+# bench/tune_decode.py's sweeps and by tests, empty otherwise. The defaults below are not
+# measured yet.
 OVERRIDES: dict = {}
 
 
@@ -66,6 +67,7 @@ def plan_decode(device: torch.device, *, batch: int, kv_heads: int, packed_rows:
         block_m = min(max(16, 1 << (packed_rows - 1).bit_length()), 64)
         block_n = 64 if padded_d <= 128 else 32
         warps, stages = 4, (3 if padded_d <= 128 else 2)
+    block_m = OVERRIDES.get("block_m", block_m)
     block_n = OVERRIDES.get("block_n", block_n)
     warps = OVERRIDES.get("num_warps", warps)
     stages = OVERRIDES.get("num_stages", stages)

@@ -65,6 +65,25 @@ def test_split_counts(num_splits):
     check(q, k_cache, v_cache, dtype, cache_seqlens=lengths, num_splits=num_splits)
 
 
+def test_gpu_sized_tiles(monkeypatch):
+    """The GPU's tile sizes (64 packed rows, 64 keys) in the interpreter: tiles that straddle
+    pages of 16, a ragged last row block, gathered keys."""
+    from flash_dma.ops.decode import plan
+    monkeypatch.setitem(plan.OVERRIDES, "block_m", 64)
+    monkeypatch.setitem(plan.OVERRIDES, "block_n", 64)
+    dtype = DTYPES[-1]
+    B, Sq, H, Hk, D, S_max = 2, 5, 16, 1, 32, 160  # 80 packed rows: two row blocks
+    q = torch.randn(B, Sq, H, D, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = make_cache(B, S_max, Hk, D, dtype)
+    k, v = (torch.randn(B, Sq, Hk, D, device=DEVICE, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([150, 77], device=DEVICE, dtype=torch.int32)
+    mask = torch.rand(B, 1, 1, S_max, device=DEVICE) < 0.7
+    bias = torch.randn(B, H, 1, S_max, device=DEVICE, dtype=dtype)
+    k_pages, v_pages, table = to_paged(k_cache, v_cache, 16)
+    check(q, k_pages, v_pages, dtype, k=k, v=v, cache_seqlens=lengths, block_table=table,
+          attn_mask=mask, attn_bias=bias, num_splits=2)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1), (6, 3)])
 def test_gqa_mqa_mha(heads):
     dtype = DTYPES[-1]
