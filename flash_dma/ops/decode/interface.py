@@ -130,12 +130,10 @@ def _lengths(cache_seqlens, batch: int, capacity: int, new_tokens: int, device) 
     return cache_seqlens.contiguous()  # (the kernels read entry b at offset b)
 
 
-def _keywise_gather(mask, heads: int, kv_heads: int) -> bool:
-    """Whether the mask is one kept-key set per (batch row, kv head), served by gathering the
-    kept keys. A key-wise mask that differs across the query heads of a group is applied by
-    loading it instead (a program serves the whole group)."""
-    return (mask is not None and mask.shape[2] == 1 and mask.shape[3] > 1
-            and (mask.shape[1] != heads or heads == kv_heads))
+def _keywise_gather(mask) -> bool:
+    """Whether the mask is key-wise, served by gathering its kept keys: one list per (batch row,
+    kv head), the union of the group's sets where the mask has one per query head."""
+    return mask is not None and mask.shape[2] == 1 and mask.shape[3] > 1
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, run eagerly (as the other ops)
@@ -255,14 +253,18 @@ def _decode(q, k_cache, v_cache, out, lse, lengths, cache_batch_idx, block_table
     group = heads // kv_heads
     device = q.device
     dummy = lse
-    gather = _keywise_gather(mask, heads, kv_heads)
+    gather = _keywise_gather(mask)
+    # a key-wise mask with one set per query head (H > Hk): the program's list is its group's
+    # union, and every row applies its own set on the gathered keys
+    mask_per_head = gather and mask.shape[1] == heads and heads != kv_heads
     if gather:
         kept_count = torch.empty((batch, kv_heads), dtype=torch.int32, device=device)
         kept_index = torch.empty((batch, kv_heads, capacity), dtype=torch.int32, device=device)
         m_strides = _pair_strides(mask)
         launch(compact_kept_keys_kernel, (batch * kv_heads,),
                mask.view(torch.uint8), kept_count, kept_index, lengths, _or(cache_batch_idx, lengths),
-               kv_heads, kv_heads // mask.shape[1], new_tokens, capacity, cache_batch, capacity,
+               kv_heads, group, group if mask_per_head else 1, heads // mask.shape[1],
+               new_tokens, capacity, cache_batch, capacity,
                m_strides[0], m_strides[1], m_strides[3], *kept_count.stride(), *kept_index.stride()[:2],
                CHUNK=_COMPACT_CHUNK if device.type == "cuda" else 64,
                HAS_BATCH_IDX=cache_batch_idx is not None, num_warps=4 if device.type == "cuda" else 1)
@@ -299,7 +301,7 @@ def _decode(q, k_cache, v_cache, out, lse, lengths, cache_batch_idx, block_table
            HEAD_DIM=head_dim, BLOCK_D=head_dim_block(head_dim), BLOCK_M=plan.block_m,
            BLOCK_N=plan.block_n, IS_CAUSAL=is_causal, PAGED=block_table is not None,
            HAS_BATCH_IDX=cache_batch_idx is not None, HAS_MASK=mask is not None,
-           HAS_BIAS=bias is not None, GATHER=gather, SPLIT=split,
+           HAS_BIAS=bias is not None, GATHER=gather, SPLIT=split, MASK_PER_HEAD=mask_per_head,
            num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
         launch(decode_combine_kernel, (batch * heads * seqlen_q,),

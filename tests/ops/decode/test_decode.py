@@ -148,7 +148,7 @@ def test_cache_batch_idx():
 MASKS = {
     "keywise-gather/kvhead-bias": (lambda B, H, Hk, Sq, S: (B, Hk, 1, S), lambda B, H, Hk, Sq, S: (B, Hk, 1, S)),
     "keywise-shared/head-bias": (lambda B, H, Hk, Sq, S: (1, 1, 1, S), lambda B, H, Hk, Sq, S: (B, H, 1, S)),
-    "keywise-perhead (loaded)": (lambda B, H, Hk, Sq, S: (B, H, 1, S), None),
+    "keywise-perhead (union gathered)": (lambda B, H, Hk, Sq, S: (B, H, 1, S), None),
     "dense/dense": (lambda B, H, Hk, Sq, S: (B, H, Sq, S), lambda B, H, Hk, Sq, S: (1, Hk, Sq, S)),
     "querywise/bias-only": (lambda B, H, Hk, Sq, S: (B, 1, Sq, 1), lambda B, H, Hk, Sq, S: (B, 1, 1, S)),
 }
@@ -361,16 +361,17 @@ def test_gpu_real_sizes(head_dim, seqlen_q, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_query_head", [False, True])
 @pytest.mark.parametrize("page_size", [16, 256])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_gpu_paged_keywise_topk(page_size, num_splits):
+def test_gpu_paged_keywise_topk(page_size, num_splits, per_query_head):
     dtype = torch.bfloat16
     B, Sq, H, Hk, D, S_max = 4, 2, 16, 4, 128, 8192
     q = torch.randn(B, Sq, H, D, device=DEVICE, dtype=dtype)
     k_cache, v_cache = make_cache(B, S_max, Hk, D, dtype)
     k, v = (torch.randn(B, Sq, Hk, D, device=DEVICE, dtype=dtype) for _ in range(2))
     lengths = torch.tensor([8190, 5000, 1, 3333], device=DEVICE, dtype=torch.int32)
-    bias = torch.randn(B, Hk, 1, S_max, device=DEVICE, dtype=dtype)
+    bias = torch.randn(B, H if per_query_head else Hk, 1, S_max, device=DEVICE, dtype=dtype)
     mask = topk_mask_from_bias(bias, 512)
     k_pages, v_pages, table = to_paged(k_cache, v_cache, page_size)
     check(q, k_pages, v_pages, dtype, k=k, v=v, cache_seqlens=lengths, block_table=table,

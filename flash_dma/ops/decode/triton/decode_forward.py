@@ -11,7 +11,8 @@ merges.
 The key axis is walked in one of two ways:
   dense   positions [0, seqlen_k) of the sequence (cached + appended tokens), in tiles;
   gather  a key-wise mask's kept positions, compacted beforehand (compact.py), so only the kept
-          keys are read.
+          keys are read; with one set per query head (MASK_PER_HEAD) the list is the union of
+          the group's sets and each row still applies its own.
 Either way a tile is a vector of logical key positions translated one by one into cache
 offsets (rows.cache_token_offsets): a contiguous cache or a paged one, and gathered keys,
 all take the same path.
@@ -53,6 +54,7 @@ def decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SPLIT: tl.constexpr,
+    MASK_PER_HEAD: tl.constexpr,
 ):
     split = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -123,7 +125,7 @@ def decode_split_kernel(
         visible = pair_ok
         if IS_CAUSAL:
             visible = visible & (k_pos[None, :] <= last_visible[:, None])
-        if HAS_MASK and not GATHER:
+        if HAS_MASK and (MASK_PER_HEAD or not GATHER):
             keep = tl.load(MASK + mask_rows[:, None] + k_pos.to(tl.int64)[None, :] * stride_mk,
                            mask=pair_ok, other=0)
             visible = visible & (keep != 0)
