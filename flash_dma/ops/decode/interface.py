@@ -4,7 +4,8 @@ flash_dma_with_kvcache follows FlashAttention's flash_attn_with_kvcache: optiona
 are written into the cache in place (append.py), then the queries attend over each row's
 cached plus new tokens with the split-over-keys kernel (decode_forward.py) and, when the keys
 were split, the merge (combine.py). A key-wise mask is compacted to its kept keys first
-(compact.py) so that only those are read.
+(compact.py) so that only those are read. The kernels run on the device's current stream with
+no host synchronisation (unless check_inputs), so a call can be captured in a CUDA graph.
 
 Values that live on the device (cache_seqlens, cache_batch_idx, block_table) are not read back
 on the hot path. The kernels clamp every address computed from them into the tensors instead:
@@ -156,8 +157,8 @@ def flash_dma_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     only; distinct rows when appending). The queries attend over cache_seqlens + Sq_new keys;
     is_causal (bottom-right) lets query i see keys up to that length - Sq + i. attn_mask (bool,
     True = keep) and attn_bias broadcast to [B, H, Sq, S_max] (each dim 1 or full, heads 1, Hk
-    or H), indexed by key position in the sequence; a key-wise mask [B|1, Hk|1, 1, S_max] is
-    served by reading only its kept keys. num_splits: how many programs share a row's keys
+    or H), indexed by key position in the sequence; a key-wise mask [B|1, Hk|H|1, 1, S_max] is
+    served by reading only its kept keys (with H sets, the union of a group's). num_splits: how many programs share a row's keys
     (None or 0: chosen from the SM count, batch, heads and capacity). Returns out
     [B, Sq, H, D] and, with return_lse, lse [B, H, Sq] (fp32; +inf for a row that sees no key).
     check_inputs=True reads back cache_seqlens, cache_batch_idx and block_table and raises on
