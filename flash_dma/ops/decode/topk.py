@@ -23,8 +23,8 @@ def update_topk_mask(mask: torch.Tensor, bias: torch.Tensor, new_positions, keep
     (topk_mask_from_bias on the prefix, or the result of earlier updates; False past the prefix).
     bias: [B|1, Hm, 1, S_max] (any broadcastable batch), holding the new keys' biases already.
     new_positions: int tensor [B] or Python int, the position of the first new key of each batch
-    row (cache_seqlens before the append); keys new_positions .. + num_new - 1 are added, one at
-    a time. Device-side torch ops only: no host synchronisation, CUDA-graph capturable.
+    row (cache_seqlens before the append); keys new_positions .. + num_new - 1 (each below S_max)
+    are added, one at a time. Device-side torch ops only: no host synchronisation, CUDA-graph capturable.
     Ties between equal biases may resolve differently from a full top-k.
     """
     check_tensor("mask", mask, dims=4, dtypes=(torch.bool,))
