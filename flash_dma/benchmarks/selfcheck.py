@@ -85,9 +85,35 @@ def check_gdn_dhu() -> float | None:
     return max(_rel(a, b) for a, b in zip(ours, ref) if b is not None)
 
 
+def check_decode() -> float | None:
+    """flash_dma_with_kvcache with two appended tokens, a key-wise mask, a bias and two splits
+    against the fp64 reference: the output's relative error, or inf when the cache after the
+    call is not the expected one."""
+    try:
+        from flash_dma import flash_dma_with_kvcache
+    except ImportError:
+        return None
+    from flash_dma.ops.decode import decode_reference
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 4, 32, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 2, 32, dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([5, 33], dtype=torch.int32)
+    mask = torch.rand(2, 2, 1, 40) < 0.6
+    bias = torch.randn(2, 4, 1, 40, dtype=torch.float16)
+    ref, _, ref_k, ref_v = decode_reference(q, k_cache.clone(), v_cache.clone(), k, v, lengths,
+                                            attn_mask=mask, attn_bias=bias)
+    out = flash_dma_with_kvcache(q, k_cache, v_cache, k, v, lengths, attn_mask=mask,
+                                 attn_bias=bias, num_splits=2)
+    if not (torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)):
+        return float("inf")
+    return _rel(out, ref)
+
+
 CHECKS = {"attention": (check_attention, 5e-3),
           "gdn (fwd and grads)": (check_gdn, 2e-2),
-          "gdn bwd_dhu": (check_gdn_dhu, 1e-2)}
+          "gdn bwd_dhu": (check_gdn_dhu, 1e-2),
+          "decode with a KV cache": (check_decode, 5e-3)}
 
 
 def main() -> int:
