@@ -1,13 +1,13 @@
 """The `flash-dma` command.
 
-    flash-dma bench [attention|gdn|dhu|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
+    flash-dma bench [attention|gdn|dhu|decode|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
     flash-dma tune [attention|gdn] [--quick]
     flash-dma env [--attention SHAPE] [--gdn SHAPE]
 
 On a CUDA GPU: times each op beside its peers (those installed; a missing one is named in a note)
 and prints a report per op: attention (dynamic mask attention), gdn (the chunked gated delta rule,
-forward and backward) and dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_dhu); all
-runs the three. Without a GPU it cannot time anything; it says so, runs a tiny
+forward and backward), dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_dhu) and decode
+(flash_dma_with_kvcache); all runs the four. Without a GPU it cannot time anything; it says so, runs a tiny
 correctness check of each op in Triton's CPU interpreter, and exits 0 if the check passed, 1 if
 not (with --json, the file records that nothing was timed and how the check ended).
 """
@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-OPS = ("attention", "gdn", "dhu")  # more ops join as they land
+OPS = ("attention", "gdn", "dhu", "decode")
 
 
 class _TextProgress:
@@ -55,6 +55,9 @@ def _runner(op: str):
     if op == "attention":
         from .benchmarks import attention
         return attention.run
+    if op == "decode":
+        from .benchmarks import decode
+        return decode.run
     from .benchmarks import gdn
     return {"gdn": gdn.run_op, "dhu": gdn.run_dhu}[op]
 

@@ -2,8 +2,7 @@
 
 Run as `TRITON_INTERPRET=1 python -m flash_dma.benchmarks.selfcheck`: the real Triton kernels
 execute in Triton's CPU interpreter (fp16: the interpreter's bf16 dot is wrong in Triton 3.6).
-Exits non-zero if a check fails. A check whose op has not landed in flash_dma yet says so and
-is skipped.
+Exits non-zero if a check fails.
 """
 import sys
 import warnings
@@ -45,13 +44,10 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def check_gdn() -> float | None:
+def check_gdn() -> float:
     """chunk_gated_delta_rule (with h0 and the final state) against the fp64 recurrence:
     worst relative error over o, the final state and the gradients of q, k, v, g, beta, h0."""
-    try:
-        from flash_dma import chunk_gated_delta_rule
-    except ImportError:
-        return None
+    from flash_dma import chunk_gated_delta_rule
     from flash_dma.benchmarks.gdn import recurrence_reference
     inputs = _gdn_inputs()
     leaves = [t.clone().requires_grad_() for t in inputs]
@@ -64,13 +60,10 @@ def check_gdn() -> float | None:
     return max([_rel(o, ro), _rel(ht, rht)] + [_rel(a, b) for a, b in zip(grads, ref_grads)])
 
 
-def check_gdn_dhu() -> float | None:
+def check_gdn_dhu() -> float:
     """chunk_gated_delta_rule_bwd_dhu in mode E with states (g, gk, h0, dht) on two sequences
     packed (one spans two chunks) against the spec's loop: worst relative error of dh, dh0, dv2."""
-    try:
-        from flash_dma import chunk_gated_delta_rule_bwd_dhu
-    except ImportError:
-        return None
+    from flash_dma import chunk_gated_delta_rule_bwd_dhu
     from flash_dma.benchmarks.gdn import (
         DhuShape,
         dhu_mode_inputs,
@@ -85,14 +78,11 @@ def check_gdn_dhu() -> float | None:
     return max(_rel(a, b) for a, b in zip(ours, ref) if b is not None)
 
 
-def check_decode() -> float | None:
+def check_decode() -> float:
     """flash_dma_with_kvcache with two appended tokens, a key-wise mask, a bias and two splits
     against the fp64 reference: the output's relative error, or inf when the cache after the
     call is not the expected one."""
-    try:
-        from flash_dma import flash_dma_with_kvcache
-    except ImportError:
-        return None
+    from flash_dma import flash_dma_with_kvcache
     from flash_dma.ops.decode import decode_reference
     torch.manual_seed(0)
     q = torch.randn(2, 2, 4, 32, dtype=torch.float16)
@@ -124,9 +114,6 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a crash is a failed check, the others still run
             failed += 1
             print(f"{name}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
-            continue
-        if err is None:
-            print(f"{name}: skipped (not in flash_dma yet)")
             continue
         ok = err <= bound
         failed += not ok

@@ -19,10 +19,10 @@ import math
 
 import torch
 
-from ...config import head_dim_block
-from ...hardware import device_guard
-from ...launch import launch
-from ...validation import check_head_dim, check_same_device, check_tensor, last_dim_contiguous
+from ...runtime.config import head_dim_block
+from ...runtime.hardware import device_guard
+from ...runtime.launch import launch
+from ...runtime.validation import check_head_dim, check_same_device, check_tensor, last_dim_contiguous
 from ..dynamic_mask_attention.interface import _pair_strides, _scale, _validate_pair
 from .plan import plan_decode
 from .triton.append import append_kv_kernel

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import ceil_div, head_dim_block
-from ...hardware import device_info, interpreter_active
+from ...runtime.config import ceil_div, head_dim_block
+from ...runtime.hardware import device_info, interpreter_active
 
 MAX_SPLITS = 128
 # fewer key tiles than this per split and the partial's write and merge outweigh the parallelism

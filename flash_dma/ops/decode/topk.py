@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...validation import check_tensor
+from ...runtime.validation import check_tensor
 
 
 @torch.no_grad()
