@@ -372,4 +372,4 @@ def test_cli_knows_the_gdn_ops():
     from flash_dma.cli import OPS
     assert build_parser().parse_args(["bench", "gdn"]).op == "gdn"
     assert build_parser().parse_args(["bench", "dhu", "--quick"]).op == "dhu"
-    assert OPS == ("attention", "gdn", "dhu")
+    assert OPS == ("attention", "gdn", "dhu", "decode")

@@ -92,7 +92,7 @@ def test_varlen_cu_seqlens():
     k = v = torch.randn(12, 2, 32, device=DEVICE, dtype=DT)
     cu = torch.tensor([0, 4, 10], device=DEVICE, dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 12], device=DEVICE, dtype=torch.int32)
-    expect(TypeError, ["cu_seqlens_q", "int32"], flash_dma_varlen_func, q, k, v, cu.long(), cu_k, 6, 6)
+    expect(TypeError, ["cu_seqlens_q", "int32"], flash_dma_varlen_func, q, k, v, cu.float(), cu_k, 6, 6)
     expect(ValueError, ["cu_seqlens_k", "3 offsets"], flash_dma_varlen_func, q, k, v, cu, cu_k[:2], 6, 6)
     expect(TypeError, ["max_seqlen_q"], flash_dma_varlen_func, q, k, v, cu, cu_k, 6.0, 6)
     expect(ValueError, ["q", "3 dims"], flash_dma_varlen_func, q[None], k, v, cu, cu_k, 6, 6)
