@@ -97,6 +97,13 @@ class Packing:
         out = x.new_zeros((rows + 1,) + tuple(x.shape[1:])).index_copy(0, self.slots, x)
         return out[:rows].unflatten(0, (self.num_seqs, self.max_seqlen))
 
+    def guard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """x unchanged, with its gradient set to 0 on rows outside every sequence (along dim): the
+        kernels leave those rows of their input gradients unwritten."""
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x
+        return _ZeroGradOutside.apply(x, self.in_sequence, dim)
+
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] padded -> [B * S, ...] packed (real tokens first)."""
         return x.flatten(0, 1).index_select(0, self.order)
@@ -107,6 +114,22 @@ class Packing:
         out = y.index_select(0, self.inverse).unflatten(0, (batch, seq_len))
         keep = self.real.view(batch, seq_len, *([1] * (y.dim() - 1)))
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class _ZeroGradOutside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, in_sequence, dim):
+        ctx.save_for_backward(in_sequence)
+        ctx.dim = dim
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (in_sequence,) = ctx.saved_tensors
+        shape = [1] * grad.dim()
+        shape[ctx.dim] = -1
+        keep = in_sequence.view(shape)
+        return torch.where(keep, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
 
 
 def _packing_from_offsets(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> Packing:

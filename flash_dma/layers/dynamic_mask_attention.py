@@ -183,7 +183,7 @@ class DynamicMaskAttention(nn.Module):
         """tokens [T, hidden] packed as `packing` says -> [T, hidden] (rows outside every
         sequence are 0)."""
         positions = packing.positions if positions is None else positions
-        q, k, v, delta = self._project(tokens, positions)
+        q, k, v, delta = (packing.guard(t) for t in self._project(tokens, positions))
         bias = self._scores_to_bias(packing.sequence_layout(delta))
         mask = self._keep_mask(bias, packing.max_seqlen, packing.key_padding_mask())
         out = flash_dma_varlen_func(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen,

@@ -189,6 +189,10 @@ class _DeltaRuleLayer(nn.Module):
         k = k.unflatten(-1, (self.num_heads, self.head_k_dim))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         g, gk, beta = self._gates(x)
+        if packing is not None:
+            q, k, v, beta = (packing.guard(t, dim=1) for t in (q, k, v, beta))
+            g = None if g is None else packing.guard(g, dim=1)
+            gk = None if gk is None else packing.guard(gk, dim=1)
         initial = past_key_values.recurrent_state if past_key_values is not None else None
         o, final = chunk_gated_delta_rule(
             q, k, v, g, beta.to(q.dtype), initial_state=initial, output_final_state=past_key_values is not None,
