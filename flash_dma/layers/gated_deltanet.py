@@ -223,20 +223,24 @@ class GatedDeltaNet(_DeltaRuleLayer):
     where q, k (l2-normalised) and v come from short causal convolutions (SiLU) of their
     projections, :math:`g_t = -e^{A_{\log}}\,\mathrm{softplus}(x_t W_a + \mathrm{dt\_bias})`,
     :math:`\beta_t = \sigma(x_t W_b)` (twice that with allow_neg_eigval), and the output is
-    RMS-normalised, gated by :math:`\mathrm{SiLU}(x_t W_g)` (use_gate) and projected by o_proj.
-    Arguments and defaults as fla.layers.GatedDeltaNet (mode: 'chunk' only).
+    RMS-normalised, gated by :math:`\mathrm{SiLU}(x_t W_g)` (use_gate; output_gate_activation
+    'sigmoid' for a sigmoid gate) and projected by o_proj. Arguments and defaults as FLA 0.6's
+    fla.layers.GatedDeltaNet (mode: 'chunk' only).
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
                  num_v_heads: int | None = None, mode: str = "chunk", use_gate: bool = True,
                  use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
-                 device=None, dtype=None, **kwargs):
+                 output_gate_activation: str = "swish", device=None, dtype=None, **kwargs):
         super().__init__()
         if mode != "chunk":
             raise ValueError(f"mode: only 'chunk' is implemented, got {mode!r}")
         if kwargs:
             raise TypeError(f"GatedDeltaNet: unexpected arguments {sorted(kwargs)}")
+        if output_gate_activation not in ("swish", "silu", "sigmoid"):
+            raise ValueError(f"output_gate_activation: expected 'swish', 'silu' or 'sigmoid', got "
+                             f"{output_gate_activation!r}")
         self._init_common(hidden_size, expand_v, head_dim, num_heads, num_v_heads, use_short_conv,
                           allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps)
         self.mode = mode
@@ -250,15 +254,13 @@ class GatedDeltaNet(_DeltaRuleLayer):
         # Mamba-2 style: A uniform in (0, 16), dt log-uniform in [1e-3, 0.1] (softplus inverted)
         A = torch.empty(self.num_v_heads, dtype=torch.float32, device=device).uniform_(0, 16)
         self.A_log = nn.Parameter(torch.log(A))
-        dt = torch.exp(torch.rand(self.num_v_heads, device=device) * (math.log(0.1) - math.log(1e-3))
-                       + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(_inverse_softplus_dt(self.num_v_heads, device))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self._make_convs(factory)
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **factory)
-            self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation="swish", **factory)
+            self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, activation=output_gate_activation, **factory)
         else:
             self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps, device=device, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
@@ -278,46 +280,56 @@ class GatedDeltaNet(_DeltaRuleLayer):
 
 class KimiDeltaAttention(_DeltaRuleLayer):
     r"""Kimi Delta Attention (Kimi Linear, arXiv 2510.26692): the gated delta rule with a decay
-    per key channel, with FLA's parameters (fla.layers.KimiDeltaAttention).
+    per key channel, with FLA 0.6's parameters (fla.layers.KimiDeltaAttention; gates per value
+    head, so grouped value heads need no repeat).
 
     .. math::
         S_t = (I - \beta_t k_t k_t^\top)\,\mathrm{Diag}(e^{g_t})\, S_{t-1} + \beta_t k_t v_t^\top,
 
-    with the per-channel log decay from a low-rank projection f_proj. With gate_lower_bound=b
-    (default -5) the gate is bounded, :math:`g_t = b\,\sigma(e^{A_{\log}} (x_t W_f + \mathrm{dt\_bias}))`
-    in (b, 0), Kimi Linear's safe gate; with None it is FLA's
-    :math:`g_t = -e^{A_{\log}}\,\mathrm{softplus}(x_t W_f + \mathrm{dt\_bias})`, unbounded (a per-token
-    decay below about -10 may not be representable by the chunked kernels). beta from b_proj
-    (sigmoid), output RMS-normalised and gated by sigmoid(g_proj(x)).
+    with the per-channel log decay from the low-rank projection f_proj. With lower_bound=b the
+    gate is bounded, :math:`g_t = b\,\sigma(e^{A_{\log}} (x_t W_f + \mathrm{dt\_bias}))` in (b, 0)
+    (Kimi Linear's safe gate); with None it is
+    :math:`g_t = -e^{A_{\log}}\,\mathrm{softplus}(x_t W_f + \mathrm{dt\_bias})`, unbounded.
+    Unlike FLA (default None) the default here is b = -5: the chunked kernels need per-token
+    decays above about -10. beta = sigmoid(b_proj(x)) (twice that with allow_neg_eigval); the
+    output is RMS-normalised and gated by sigmoid(g_proj(x)). safe_gate (FLA's flag that b is
+    set) only starts A_log at 0, as FLA does.
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 1, head_dim: int = 128, num_heads: int = 16,
                  num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
-                 allow_neg_eigval: bool = False, conv_size: int = 4, conv_bias: bool = False,
-                 layer_idx: int | None = None, norm_eps: float = 1e-5, gate_lower_bound: float | None = -5.0,
-                 device=None, dtype=None, **kwargs):
+                 allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = -5.0,
+                 conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None,
+                 norm_eps: float = 1e-5, device=None, dtype=None, **kwargs):
         super().__init__()
         if mode != "chunk":
             raise ValueError(f"mode: only 'chunk' is implemented, got {mode!r}")
         if kwargs:
             raise TypeError(f"KimiDeltaAttention: unexpected arguments {sorted(kwargs)}")
-        if gate_lower_bound is not None and not gate_lower_bound < 0:
-            raise ValueError(f"gate_lower_bound: expected a negative bound or None, got {gate_lower_bound!r}")
+        if lower_bound is not None and not lower_bound < 0:
+            raise ValueError(f"lower_bound: expected a negative bound (log space) or None, got {lower_bound!r}")
+        if safe_gate and lower_bound is None:
+            raise ValueError("lower_bound: safe_gate=True needs a lower bound")
         self._init_common(hidden_size, expand_v, head_dim, num_heads, num_v_heads, use_short_conv,
                           allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps)
         self.mode = mode
-        self.gate_lower_bound = gate_lower_bound
+        self.safe_gate = safe_gate
+        self.lower_bound = lower_bound
+        self.gate_dim = self.num_v_heads * self.head_k_dim
         factory = dict(device=device, dtype=dtype)
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **factory)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False, **factory)
         self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False, **factory)
         self._make_convs(factory)
         self.f_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False, **factory),
-                                    nn.Linear(self.head_v_dim, self.key_dim, bias=False, **factory))
-        self.b_proj = nn.Linear(hidden_size, self.num_heads, bias=False, **factory)
-        A = torch.empty(self.num_heads, dtype=torch.float32, device=device).uniform_(1, 16)
-        self.A_log = nn.Parameter(torch.log(A))
-        self.dt_bias = nn.Parameter(torch.zeros(self.key_dim, dtype=torch.float32, device=device))
+                                    nn.Linear(self.head_v_dim, self.gate_dim, bias=False, **factory))
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False, **factory)
+        if safe_gate:
+            A_log = torch.zeros(self.num_v_heads, dtype=torch.float32, device=device)
+        else:
+            A_log = torch.empty(self.num_v_heads, dtype=torch.float32, device=device).uniform_(1, 16).log()
+        self.A_log = nn.Parameter(A_log)
+        self.dt_bias = nn.Parameter(_inverse_softplus_dt(self.gate_dim, device))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.g_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False, **factory),
@@ -326,21 +338,24 @@ class KimiDeltaAttention(_DeltaRuleLayer):
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **factory)
 
     def _gates(self, x):
-        raw = self.f_proj(x).float().unflatten(-1, (self.num_heads, self.head_k_dim)) \
-            + self.dt_bias.float().view(self.num_heads, self.head_k_dim)
-        rate = self.A_log.float().exp().view(self.num_heads, 1)
-        if self.gate_lower_bound is not None:
-            gk = self.gate_lower_bound * torch.sigmoid(rate * raw)
+        raw = self.f_proj(x).float().unflatten(-1, (self.num_v_heads, self.head_k_dim)) \
+            + self.dt_bias.float().view(self.num_v_heads, self.head_k_dim)
+        rate = self.A_log.float().exp().view(self.num_v_heads, 1)
+        if self.lower_bound is not None:
+            gk = self.lower_bound * torch.sigmoid(rate * raw)
         else:
             gk = -rate * F.softplus(raw)
         beta = self.b_proj(x).float().sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        group = self.num_v_heads // self.num_heads
-        if group > 1:  # grouped value heads read their key head's gate
-            gk = gk.repeat_interleave(group, dim=-2)
-            beta = beta.repeat_interleave(group, dim=-1)
         return None, gk, beta
 
     def _output_gate(self, x):
         return self.g_proj(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
+
+
+def _inverse_softplus_dt(size: int, device) -> torch.Tensor:
+    """Mamba-2's dt initialisation: dt log-uniform in [1e-3, 0.1], stored as softplus^-1(dt)."""
+    dt = torch.exp(torch.rand(size, device=device) * (math.log(0.1) - math.log(1e-3))
+                   + math.log(1e-3)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))

@@ -129,19 +129,18 @@ def delta_layer_reference(layer, P, x, real=None):
     v = short_conv(lin("v_proj", xd), P["v_conv1d.weight"]).unflatten(-1, (HV, V))
     q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     if isinstance(layer, KimiDeltaAttention):
-        raw = lin("f_proj.1", lin("f_proj.0", xd)).unflatten(-1, (H, K)) + P["dt_bias"].view(H, K)
-        rate = P["A_log"].exp().view(H, 1)
-        if layer.gate_lower_bound is not None:
-            gk = layer.gate_lower_bound * torch.sigmoid(rate * raw)
+        raw = lin("f_proj.1", lin("f_proj.0", xd)).unflatten(-1, (HV, K)) + P["dt_bias"].view(HV, K)
+        rate = P["A_log"].exp().view(HV, 1)
+        if layer.lower_bound is not None:
+            gk = layer.lower_bound * torch.sigmoid(rate * raw)
         else:
             gk = -rate * F.softplus(raw)
         beta = torch.sigmoid(lin("b_proj", xd))
-        gk, beta = gk.repeat_interleave(HV // H, 2), beta.repeat_interleave(HV // H, 2)
         g, gate, act = None, lin("g_proj.1", lin("g_proj.0", xd)), "sigmoid"
     else:
         g = -P["A_log"].exp() * F.softplus(lin("a_proj", xd) + P["dt_bias"])
         gk, beta = None, torch.sigmoid(lin("b_proj", xd))
-        gate, act = (lin("g_proj", xd) if layer.use_gate else None), "swish"
+        gate, act = (lin("g_proj", xd) if layer.use_gate else None), layer.o_norm.activation
     if layer.allow_neg_eigval:
         beta = beta * 2
     o, _ = delta_rule(q, k, v, g, gk, beta, K ** -0.5)

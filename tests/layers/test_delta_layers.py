@@ -25,7 +25,8 @@ def make(kind, dtype=CPU_DTYPE, **kw):
     return layer.to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("kind, kw", [("gdn", dict(num_v_heads=4, allow_neg_eigval=True)), ("kda", {})])
+@pytest.mark.parametrize("kind, kw", [("gdn", dict(num_v_heads=4, allow_neg_eigval=True)),
+                                      ("kda", dict(num_v_heads=4))])
 def test_output_and_gradients_match_reference(kind, kw):
     layer = make(kind, **kw)
     x = torch.randn(2, 20, 32, device=DEVICE)
@@ -101,8 +102,10 @@ def test_bad_inputs():
         layer(x.double())
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(x, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="gate_lower_bound"):
-        KimiDeltaAttention(hidden_size=32, head_dim=16, num_heads=2, gate_lower_bound=1.0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        KimiDeltaAttention(hidden_size=32, head_dim=16, num_heads=2, lower_bound=1.0)
+    with pytest.raises(ValueError, match="output_gate_activation"):
+        GatedDeltaNet(hidden_size=32, head_dim=16, num_heads=2, output_gate_activation="relu")
 
 
 @pytest.mark.gpu
@@ -130,16 +133,14 @@ def test_gpu_real_size_bf16(kind):
 def test_fla_checkpoint_moves_both_ways(kind):
     fla = pytest.importorskip("fla")
     torch.manual_seed(0)
-    kw = dict(hidden_size=512, head_dim=64, num_heads=4)
+    kw = dict(hidden_size=512, head_dim=64, num_heads=4, num_v_heads=8)
     if kind == "gdn":
         ours, theirs = GatedDeltaNet(expand_v=2, **kw), fla.layers.GatedDeltaNet(expand_v=2, **kw)
-    else:
-        # FLA's default gate is unbounded: the same formula here (gate_lower_bound=None), with decay
-        # rates small enough for realistic per-token gates
-        ours = KimiDeltaAttention(gate_lower_bound=None, **kw)
-        theirs = fla.layers.KimiDeltaAttention(**kw)
+    else:  # the bounded (safe) gate on both sides
+        ours = KimiDeltaAttention(safe_gate=True, lower_bound=-5.0, **kw)
+        theirs = fla.layers.KimiDeltaAttention(safe_gate=True, lower_bound=-5.0, **kw)
         with torch.no_grad():
-            theirs.A_log.uniform_(-1.0, 0.5)
+            theirs.A_log.uniform_(-1.0, 1.0)
     ours, theirs = ours.to(DEVICE, torch.bfloat16), theirs.to(DEVICE, torch.bfloat16)
     ours.load_state_dict(theirs.state_dict())
     assert set(ours.state_dict()) == set(theirs.state_dict())
