@@ -15,7 +15,6 @@ Prints one line per variant and exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import sys
@@ -127,9 +126,11 @@ def main(argv=None) -> int:
     if status is not None:
         print(f"cannot check: {status}")
         return 2
-    # the wrapper's device guard asks the CUDA runtime for the current device, which a CPU
-    # build of torch does not have; fake tensors need no guard
-    plain.device_guard = lambda device: contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        # the wrapper's device guard, and the DLPack export of FA4's deterministic-mode
+        # semaphores, ask for the current CUDA device, which a CPU build of torch cannot answer;
+        # the fake tensors all live on cuda:0
+        torch.cuda.current_device = lambda: 0
     print(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} torch {torch.__version__}", flush=True)
     results = [check_variant(*variant) for variant in itertools.product(
         args.dims, args.dtypes, map(bool, args.causal), args.gqa, map(bool, args.varlen),

@@ -11,14 +11,16 @@ Conventions bridged here:
   rows where they can occur. FA4's backward takes either: its preprocess maps an lse of -inf to
   0 and reads +inf as is, and with every score of such a row at -inf, P is 0 both ways.
 - Inputs: FA4 builds TMA descriptors, which need a unit last stride and 16-byte aligned other
-  strides and base; `_tma_ready` copies a tensor that has neither.
+  strides and base; `_tma_ready` copies a tensor that lacks them.
 
 Compilation: FA4 marks every shape and stride dynamic and keys its in-process JIT cache on the
-feature set (dtype, head dim, causal, varlen, GQA ratio, deterministic, which dims are
-broadcast with stride 0), not on lengths. A few length classes do pick other variants, each
-compiled once: the causal forward when the whole query side fits one 128-row tile (Sq times the
-GQA ratio with packed heads), the backward when Sq or Sk fits one tile. A new length beyond those
-compiles nothing.
+feature set (dtype, head dim, causal, varlen, GQA ratio, deterministic, which dims are broadcast
+with stride 0), not on lengths. Two length classes pick other variants, each compiled once per
+feature set: the causal or varlen forward where a sequence's query rows fit one tile (Sq, or
+max_seqlen_q, times the GQA ratio, heads being packed, within 128 or 192 rows by head dim), and
+the backward where Sq fits one query tile or Sk one key tile (64-128 and 48-128 rows by head
+dim): at most 2 forward and 4 backward kernels per feature set.
+Any other new length compiles nothing (bench/cute_cpu_compile_check.py checks it on CPU).
 """
 from __future__ import annotations
 
