@@ -34,14 +34,17 @@ def cute_backend_status(device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"the CuTe backend runs on CUDA GPUs, and the tensors are on {device}"
+    if device.index is not None:
+        return _cuda_status(device.index)
     if not torch.cuda.is_available():
         return "the CuTe backend needs a CUDA GPU, and torch sees none"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_status(index)
+    return _cuda_status(torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_status(index: int) -> str | None:
+    if not torch.cuda.is_available():
+        return "the CuTe backend needs a CUDA GPU, and torch sees none"
     capability = torch.cuda.get_device_capability(index)
     if tuple(capability) != SUPPORTED_CAPABILITY:
         name = torch.cuda.get_device_name(index)

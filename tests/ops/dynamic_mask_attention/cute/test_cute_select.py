@@ -226,3 +226,10 @@ def test_rows_without_keys_get_plus_inf():
     lse = torch.tensor([1.5, -math.inf, math.inf, math.nan, -3.0])
     plain._empty_rows_to_plus_inf(lse)
     assert lse[:3].tolist() == [1.5, math.inf, math.inf] and math.isnan(lse[3]) and lse[4] == -3.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where torch sees no GPU")
+def test_real_status_without_a_gpu(clear_status_caches):
+    availability._cuda_status.cache_clear()
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        assert "torch sees none" in availability.cute_backend_status(device)
