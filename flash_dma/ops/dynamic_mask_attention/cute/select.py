@@ -47,14 +47,14 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     if requested == "triton":
         return "triton", f"{BACKEND_ENV}=triton"
     layout = "varlen" if varlen else "fixed-length"
+    # what the CuTe path lacks is known without importing the CuTe stack: asked first
+    gap = plain_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype)
     if requested == "cute":
         availability.require_cute(device)
-        gap = plain_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype)
         if gap is not None:
             return "triton", f"{BACKEND_ENV}=cute, but {gap}: this {layout} call runs on Triton"
         return "cute", f"{BACKEND_ENV}=cute"
-    gap = plain_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype)
-    if gap is not None:  # checked first: it needs no import of the CuTe stack
+    if gap is not None:
         return "triton", f"auto: {gap}"
     status = availability.cute_backend_status(device)
     if status is not None:
