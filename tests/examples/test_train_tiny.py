@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_tiny.py"
 

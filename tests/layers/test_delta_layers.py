@@ -26,10 +26,10 @@ def make(kind, dtype=CPU_DTYPE, **kw):
 
 
 @pytest.mark.parametrize("kind, kw", [("gdn", dict(num_v_heads=4, allow_neg_eigval=True)),
-                                      ("kda", dict(num_v_heads=4))])
+                                      ("kda", {})])
 def test_output_and_gradients_match_reference(kind, kw):
     layer = make(kind, **kw)
-    x = torch.randn(2, 20, 32, device=DEVICE)
+    x = torch.randn(1, 20, 32, device=DEVICE)
     y = layer(x)
     P = double_params(layer)
     ref = delta_layer_reference(layer, P, x)
@@ -69,7 +69,7 @@ def test_padding_and_packing_match_separate_rows():
 
 def test_generation_state_matches_full_forward():
     layer = make("gdn")
-    x = torch.randn(2, 10, 32, device=DEVICE)
+    x = torch.randn(1, 10, 32, device=DEVICE)
     full = layer(x)
     state = layer.init_state()
     parts = [layer(x[:, :7], past_key_values=state), layer(x[:, 7:8], past_key_values=state),
