@@ -74,8 +74,8 @@ def attn_bwd_dq_kernel(
     bias_h = h // bias_head_div
     q0 = m_block * BLOCK_M
     # (the walk carries the forward's running max and sum too: here lse2 and delta pass through)
-    dq, _, _ = walk_keys_query_major(
-        dq, lse2, delta, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+    _, _, dq = walk_keys_query_major(
+        lse2, delta, dq, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m, local_m,
         offs_n, offs_d, m_block, b64, h, hk, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
         stride_mq, stride_mk, stride_bq, stride_bk, LIST_COUNT, LIST_INDEX, stride_cb, stride_ch,
         stride_cq, stride_ib, stride_ih, stride_iq, stride_ik, list_head_div, K_DESC, V_DESC,

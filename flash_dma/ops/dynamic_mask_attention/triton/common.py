@@ -257,7 +257,7 @@ def _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k
 
 
 @triton.jit
-def _query_major_step(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base,
+def _query_major_step(m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base,
                       offs_m, local_m, k_pos, k_start, k_tok0, seqlen_q, seqlen_k, qk_scale,
                       stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                       k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0,
@@ -267,9 +267,11 @@ def _query_major_step(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_ba
                       BIAS_Q_BCAST: tl.constexpr, BIAS_K_BCAST: tl.constexpr, CHECK: tl.constexpr,
                       BOUNDS: tl.constexpr, CONTIG: tl.constexpr, KV_DESC: tl.constexpr,
                       BIAS_DESC: tl.constexpr, EXP2_POLY: tl.constexpr):
-    """One key tile of a query-major pass. FORWARD_PASS: online-softmax update of (acc, running
-    max m_i, running sum l_i). DQ_PASS: acc += dS k (unscaled), from the saved log-sum-exp (lse2,
-    log2 units) and delta; m_i and l_i pass through."""
+    """One key tile of a query-major pass, on the carried (m_i, l_i, acc). FORWARD_PASS:
+    online-softmax update of (running max, running sum, output accumulator). DQ_PASS: acc += dS k
+    (unscaled), from the saved log-sum-exp (lse2, log2 units) and delta; m_i and l_i pass through.
+    (The carried values are in the order the forward defines them: Triton orders a loop's
+    carried values by definition, and that order shows in the compiled code.)"""
     k, v, s = _key_tile_scores(q, k_base, v_base, mask_base, bias_base, offs_m, local_m, k_pos,
                                seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs, stride_mq,
                                stride_mk, stride_bq, stride_bk, offs_d, k_desc, v_desc, k_start,
@@ -294,11 +296,11 @@ def _query_major_step(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_ba
         ds = p * (dp - delta[:, None])
         acc = acc + tl.dot(ds.to(k.dtype), k)
         m_new = m_i
-    return acc, m_new, l_i
+    return m_new, l_i, acc
 
 
 @triton.jit
-def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base,
+def walk_keys_query_major(m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base,
                           offs_m, local_m, offs_n, offs_d, m_block, b64, h, hk, seqlen_q, seqlen_k,
                           qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq,
                           stride_bk, LIST_COUNT, LIST_INDEX, stride_cb, stride_ch, stride_cq,
@@ -313,12 +315,12 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
                           WARP_SPECIALIZE: tl.constexpr, EXP2_POLY: tl.constexpr):
     """The key walk of one query tile, shared by the forward (PASS=FORWARD_PASS) and the dq kernel
     (DQ_PASS): every key tile the walk mode visits, interior tiles without checks first. Returns
-    the carried (acc, m_i, l_i) (see _query_major_step)."""
+    the carried (m_i, l_i, acc) (see _query_major_step)."""
     if KV_MODE == KV_DENSE:
         n_full, n_iter = _dense_key_split(m_block, seqlen_q, seqlen_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
         for it in tl.range(0, n_full, warp_specialize=WARP_SPECIALIZE):
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -327,8 +329,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
                 BIAS_K_BCAST=BIAS_K_BCAST, CHECK=False, BOUNDS=False, CONTIG=True,
                 KV_DESC=KV_DESC, BIAS_DESC=BIAS_DESC, EXP2_POLY=EXP2_POLY)
         for it in range(n_full, n_iter):
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, it * BLOCK_N + offs_n, it * BLOCK_N, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -346,8 +348,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
         for it in range(0, n_full):
             k_start = entry * BLOCK_N
             entry = _list_entry(lists, it + 1, n_full)
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -360,8 +362,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
         for it in range(0, n_part - 1):
             k_start = entry * BLOCK_N
             entry = _list_entry(lists + stride_ik, it + 1, n_part - 1)
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -371,8 +373,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
                 KV_DESC=KV_DESC, BIAS_DESC=BIAS_DESC, EXP2_POLY=EXP2_POLY)
         for it in range(tl.maximum(n_part - 1, 0), n_part):  # the last one, bounds-checked
             k_start = tl.load(lists + stride_ik + it) * BLOCK_N
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_start + offs_n, k_start, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -387,8 +389,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
         n_iter = tl.cdiv(kept, BLOCK_N)
         for it in range(0, n_iter - 1):
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, BOUNDS=False)
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -398,8 +400,8 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
                 KV_DESC=KV_DESC, BIAS_DESC=BIAS_DESC, EXP2_POLY=EXP2_POLY)
         for it in range(tl.maximum(n_iter - 1, 0), n_iter):  # the last one, bounds-checked
             k_pos = _gathered_key_positions(it, keys, kept, seqlen_k, BLOCK_N, BOUNDS=True)
-            acc, m_i, l_i = _query_major_step(
-                acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
+            m_i, l_i, acc = _query_major_step(
+                m_i, l_i, acc, q, do, lse2, delta, k_base, v_base, mask_base, bias_base, offs_m,
                 local_m, k_pos, 0, k_tok0, seqlen_q, seqlen_k,
                 qk_scale, stride_ks, stride_vs, stride_mq, stride_mk, stride_bq, stride_bk, offs_d,
                 k_desc, v_desc, hk, bias_desc, bias_b, bias_h, q0, PASS=PASS, HEAD_DIM=HEAD_DIM,
@@ -407,4 +409,4 @@ def walk_keys_query_major(acc, m_i, l_i, q, do, lse2, delta, k_base, v_base, mas
                 MASK_Q_BCAST=MASK_Q_BCAST, MASK_K_BCAST=MASK_K_BCAST, BIAS_Q_BCAST=BIAS_Q_BCAST,
                 BIAS_K_BCAST=BIAS_K_BCAST, CHECK=True, BOUNDS=True, CONTIG=False,
                 KV_DESC=KV_DESC, BIAS_DESC=BIAS_DESC, EXP2_POLY=EXP2_POLY)
-    return acc, m_i, l_i
+    return m_i, l_i, acc

@@ -63,8 +63,8 @@ def attn_fwd_kernel(
     bias_b = tl.where(stride_bb != 0, b64, 0).to(tl.int32)
     bias_h = h // bias_head_div
     q0 = m_block * BLOCK_M
-    acc, m_i, l_i = walk_keys_query_major(
-        acc, m_i, l_i, q, q, m_i, l_i, k_base, v_base, mask_base, bias_base, offs_m, local_m,
+    m_i, l_i, acc = walk_keys_query_major(
+        m_i, l_i, acc, q, q, m_i, l_i, k_base, v_base, mask_base, bias_base, offs_m, local_m,
         offs_n, offs_d, m_block, b64, h, hk, seqlen_q, seqlen_k, qk_scale, stride_ks, stride_vs,
         stride_mq, stride_mk, stride_bq, stride_bk, LIST_COUNT, LIST_INDEX, stride_cb, stride_ch,
         stride_cq, stride_ib, stride_ih, stride_iq, stride_ik, list_head_div, K_DESC, V_DESC,
