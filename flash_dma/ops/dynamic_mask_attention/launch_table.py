@@ -176,3 +176,10 @@ def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, v
     if candidates is None:
         candidates = candidate_configs(kernel, head_dim_block(head_dim))
     return config.tune(kernel, device, head_dim, dtype, variant, time_config, candidates)
+
+
+def triton_kernel(kernel: str):
+    """The Triton JIT function a table kernel name launches (its file: see the module docstring)."""
+    from .triton import backward_dkdv, backward_dq, forward
+    return {"attn_fwd": forward.attn_fwd_kernel, "attn_bwd_dkdv": backward_dkdv.attn_bwd_dkdv_kernel,
+            "attn_bwd_dq": backward_dq.attn_bwd_dq_kernel}[kernel]

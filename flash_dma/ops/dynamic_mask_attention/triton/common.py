@@ -182,10 +182,8 @@ def _list_entry(entries, it, count):
     """Entry `it` of a tile list, 0 past its `count` entries. The query-major walks read each
     entry one tile ahead: an entry loaded in the iteration that uses it made Triton's pipeliner
     give the tile loads one buffer fewer (at 3 stages 2 K/V buffers and 1 bias buffer instead of
-    3 and 2). H200, B2 H16 S4096 D128 full bias, forward: all tiles listed 1.03 -> 0.74 ms (the
-    dense walk: 0.71), 1/8 of the tiles 0.179 -> 0.141 ms; the dq kernel: even. Not done in the
-    key-major backward (all tiles 3.54 -> 3.98 ms: it spills more) nor for gathered keys
-    (top-1024 forward 0.569 -> 0.636 ms)."""
+    3 and 2). Not done in the key-major backward (it spills more) nor for gathered keys (slower
+    there); docs/perf/attention-code-notes.md has the measurements."""
     return tl.load(entries + it, mask=it < count, other=0)
 
 
