@@ -335,3 +335,43 @@ def _log(pass_name: str, backend: Chosen, pb: AttentionProblem, device, mask, bi
              ("bias", _pair_shape(bias, ("B", heads_word(bias), "Sq", "Sk")))) + extra
     profile.log_choice("attention", pass_name, backend.value, device_info(device), shape,
                        config_name(cfg.value), cfg.source)
+
+
+def describe(shape: str, device: torch.device | None = None) -> list[str]:
+    """What would run for a shape such as 'B=2 S=4096 H=16 Hk=16 D=128 bias=B,H,S,S causal'
+    (also Sq=, Sk=, mask=B,H,S,S or mask=B,Hk,1,S, dtype=fp16; no data is allocated): one line
+    per pass, as the profiling log prints them. For `flash-dma env --attention`."""
+    fields = dict(part.split("=", 1) if "=" in part else (part, "1") for part in shape.split())
+    sq = int(fields.get("Sq", fields.get("S", 1024)))
+    sk = int(fields.get("Sk", fields.get("S", sq)))
+    b, h = int(fields.get("B", 1)), int(fields.get("H", 16))
+    hk, d = int(fields.get("Hk", h)), int(fields.get("D", 128))
+    dtype = torch.float16 if fields.get("dtype") == "fp16" else torch.bfloat16
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = {"B": b, "H": h, "Hk": hk, "S": sq, "Sq": sq, "Sk": sk, "1": 1}
+
+    def stand_in(kind: str, dt):  # a tensor of the shape without memory behind it (stride 0)
+        if kind not in fields:
+            return None
+        dims = fields[kind].split(",")
+        if len(dims) != 4:
+            raise ValueError(f"{kind}: expected 4 dims such as B,H,S,S, got {fields[kind]!r}")
+        dims[3] = "Sk" if dims[3] == "S" else dims[3]
+        return torch.empty((), device=device, dtype=dt).expand([sizes[x] for x in dims])
+
+    q = torch.empty((), device=device, dtype=dtype).expand(b, sq, h, d)
+    mask, bias = stand_in("mask", torch.bool), stand_in("bias", dtype)
+    pb = AttentionProblem(b, h, hk, d, sq, sk, False, "causal" in fields, 1.0 / math.sqrt(d),
+                          None, None)
+    fwd = plan_forward(pb, q, mask, bias)
+    bwd = plan_backward(fwd, q, mask, bias, bias is not None, False)
+    lines = [f"backend {fwd.backend.value} ({fwd.backend.source})"]
+    for p in (fwd.forward, bwd.dkdv, bwd.dq):
+        if p is not None:
+            lines.append(f"{p.kernel}: {config_name(p.cfg)} ({p.config.source}; variant "
+                         f"{p.variant!r}, walk {sparsity.WALK_NAMES[p.kv_mode]})")
+    lines.append(f"dq: {bwd.dq_strategy.value} ({bwd.dq_strategy.source})")
+    if bwd.dbias is not None:
+        lines.append(f"dbias: {bwd.dbias.reduce}" + (" by TMA stores" if bwd.dbias.by_descriptor else ""))
+    return lines

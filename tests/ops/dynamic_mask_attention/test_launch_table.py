@@ -80,3 +80,17 @@ def test_select_config_names_its_source(tmp_path, monkeypatch):
     finally:
         tuning_cache.forget_memory()
         launch_table._select_cuda_config.cache_clear()
+
+
+def test_describe_names_every_pass_without_allocating():
+    from flash_dma.ops.dynamic_mask_attention.plan import describe
+    lines = describe("B=2 S=4096 H=16 Hk=4 D=64 mask=B,Hk,1,S bias=1,H,1,S causal",
+                     torch.device("cpu"))
+    assert lines[0].startswith("backend triton")
+    assert any(line.startswith("attn_fwd:") and "walk gathered" in line for line in lines)
+    assert any(line.startswith("attn_bwd_dkdv:") and "variant 'bias-dq'" in line for line in lines)
+    assert "dq: fused (table)" in lines and "dbias: atomic" in lines
+    with config.overrides(attention_dq_strategy="kernel"):
+        assert any(line.startswith("attn_bwd_dq:") for line in describe("B=1 S=64 D=32", torch.device("cpu")))
+    with pytest.raises(ValueError, match="bias"):
+        describe("B=1 S=64 bias=B,H,S", torch.device("cpu"))
