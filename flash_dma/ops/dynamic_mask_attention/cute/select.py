@@ -1,0 +1,62 @@
+"""Which backend runs an attention call: CuTe (SM90 with the hopper extra) or Triton.
+
+FLASH_DMA_BACKEND in the environment:
+- unset or "auto": CuTe where it can run this problem, else Triton (the reason is returned, for
+  the plan to log);
+- "triton": always Triton;
+- "cute": CuTe; where the device or the installed software cannot run it, CuteBackendUnavailable
+  says why and how to install. A problem the CuTe backend does not serve yet (a mask, a bias,
+  another head dim) still runs on Triton, with the reason returned: never a wrong answer.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import availability
+from .availability import CuteBackendUnavailable
+from .plain import plain_feature_gap
+
+BACKEND_ENV = "FLASH_DMA_BACKEND"
+BACKEND_CHOICES = ("auto", "triton", "cute")
+
+__all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "CuteBackendUnavailable", "requested_backend",
+           "choose_backend"]
+
+
+def requested_backend(environ=None) -> str:
+    """The backend asked for in FLASH_DMA_BACKEND ("auto" when unset or empty)."""
+    value = (os.environ if environ is None else environ).get(BACKEND_ENV, "").strip().lower()
+    if value == "":
+        return "auto"
+    if value not in BACKEND_CHOICES:
+        raise ValueError(f"{BACKEND_ENV}: expected one of {', '.join(BACKEND_CHOICES)}, got {value!r}")
+    return value
+
+
+def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
+                   varlen: bool, requested: str | None = None) -> tuple[str, str]:
+    """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
+    FLASH_DMA_BACKEND. The CuTe backend serves plain attention (no mask, no bias), fixed length
+    and varlen alike; varlen is taken so that the reason can say which layout fell back."""
+    if requested is None:
+        requested = requested_backend()
+    elif requested not in BACKEND_CHOICES:
+        raise ValueError(f"requested: expected one of {', '.join(BACKEND_CHOICES)}, got {requested!r}")
+    if requested == "triton":
+        return "triton", f"{BACKEND_ENV}=triton"
+    layout = "varlen" if varlen else "fixed-length"
+    # what the CuTe path lacks is known without importing the CuTe stack: asked first
+    gap = plain_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype)
+    if requested == "cute":
+        availability.require_cute(device)
+        if gap is not None:
+            return "triton", f"{BACKEND_ENV}=cute, but {gap}: this {layout} call runs on Triton"
+        return "cute", f"{BACKEND_ENV}=cute"
+    if gap is not None:
+        return "triton", f"auto: {gap}"
+    status = availability.cute_backend_status(device)
+    if status is not None:
+        return "triton", f"auto: {status}"
+    return "cute", f"auto: SM90 with the CuTe DSL stack, plain {layout} attention"

@@ -1,0 +1,159 @@
+"""DynamicMaskAttention against an fp64 reference written from the paper's formula: outputs and
+parameter gradients, padding (either side), packed sequences, generation with a KV cache, and
+argument errors."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+from helpers import assert_close
+from layer_reference import dma_reference, double_params
+from flash_dma import DynamicMaskAttention
+from flash_dma.layers import DynamicMaskAttentionCache
+
+
+def make_layer(hidden=64, heads=4, kv_heads=2, keep=8, causal=True, dtype=torch.float16, **kw):
+    layer = DynamicMaskAttention(hidden, heads, kv_heads, keep_window_size=keep, is_causal=causal, **kw)
+    with torch.no_grad():
+        layer.A.normal_()  # distinct key scores: no ties at the top-w boundary
+    return layer.to(DEVICE, dtype)
+
+
+def selection(layer, x, real=None):
+    """The layer's own key scores (fp32 from its fp16 projections), that choose the kept keys."""
+    B, S, _ = x.shape
+    if real is None:
+        real = torch.ones(B, S, dtype=torch.bool, device=x.device)
+    with torch.no_grad():
+        return layer._project(x, (real.long().cumsum(1) - 1).clamp(min=0))[3]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_output_and_gradients_match_reference(causal):
+    layer = make_layer(causal=causal)
+    x = torch.randn(2, 24, 64, device=DEVICE, dtype=torch.float16)
+    y = layer(x)
+    P, extras = double_params(layer), {}
+    ref = dma_reference(layer, P, x, selection_scores=selection(layer, x), extras=extras)
+    assert_close("out", y, ref, torch.float16, scale=2)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref.backward(grad.double())
+    check_parameter_grads(layer, P, extras, torch.float16)
+
+
+def check_parameter_grads(layer, P, extras, dtype):
+    params = dict(layer.named_parameters())
+    for name in ("dt_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight"):
+        assert_close(name, params[name].grad, P[name].grad, dtype, scale=4)
+    # dL/dA sums terms of both signs (softmax gradients sum to 0 along each row): measured
+    # against the size of its terms, not of the (possibly much smaller) sum
+    delta = extras["delta"]
+    terms = (delta.grad * delta * extras["dt"]).abs().sum(dim=(0, 1))
+    assert_close("A", params["A"].grad, P["A"].grad, dtype, scale=4, magnitude=terms.norm().item())
+
+
+def test_window_covering_the_sequence_drops_nothing():
+    layer = make_layer(keep=64)
+    x = torch.randn(1, 20, 64, device=DEVICE, dtype=torch.float16)
+    ref = dma_reference(layer, double_params(layer), x)
+    assert_close("out", layer(x), ref, torch.float16, scale=2)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask(side):
+    layer = make_layer()
+    x = torch.randn(3, 20, 64, device=DEVICE, dtype=torch.float16)
+    lengths = [20, 13, 6]
+    real = torch.zeros(3, 20, dtype=torch.bool, device=DEVICE)
+    for b, n in enumerate(lengths):
+        if side == "left":
+            real[b, 20 - n:] = True
+        else:
+            real[b, :n] = True
+    y = layer(x, attention_mask=real.long())
+    ref = dma_reference(layer, double_params(layer), x, real, selection_scores=selection(layer, x, real))
+    assert_close("out", y, ref, torch.float16, scale=2)
+    assert (y[~real] == 0).all(), "padding positions must be 0"
+
+
+def test_packed_sequences_match_padding():
+    layer = make_layer()
+    lengths = [9, 16, 4]
+    x = torch.randn(1, sum(lengths) + 3, 64, device=DEVICE, dtype=torch.float16)  # 3 spare rows
+    cu = torch.tensor([0, 9, 25, 29], dtype=torch.int32, device=DEVICE)
+    y = layer(x, cu_seqlens=cu, max_seqlen=16)
+    for n, (start, stop) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = layer(x[:, start:stop])
+        assert_close(f"sequence {n}", y[:, start:stop], alone, torch.float16)
+    assert (y[:, 29:] == 0).all()
+
+
+def test_generation_with_cache_matches_full_forward():
+    layer = make_layer(keep=6)
+    prompt, steps = 14, 4
+    x = torch.randn(2, prompt + steps, 64, device=DEVICE, dtype=torch.float16)
+    real = torch.ones(2, prompt + steps, dtype=torch.bool, device=DEVICE)
+    real[1, :5] = False  # row 1: a left-padded prompt
+    cache = layer.init_cache(2, 32)
+    assert isinstance(cache, DynamicMaskAttentionCache)
+    out_prompt = layer(x[:, :prompt], attention_mask=real[:, :prompt], past_key_values=cache)
+    steps_out = [layer(x[:, t:t + 1], past_key_values=cache) for t in range(prompt, prompt + steps)]
+    got = torch.cat([out_prompt] + steps_out, dim=1)
+    ref = dma_reference(layer, double_params(layer), x, real, selection_scores=selection(layer, x, real))
+    assert_close("prompt", got[:, :prompt], ref[:, :prompt], torch.float16, scale=2)
+    assert_close("generated", got[:, prompt:], ref[:, prompt:], torch.float16, scale=2)
+    assert cache.cache_seqlens.tolist() == [prompt + steps, prompt + steps - 5]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=3), "num_attention_heads"),
+    (dict(hidden_size=66, num_attention_heads=4), "hidden_size"),
+    (dict(hidden_size=64, num_attention_heads=4, head_dim=12), "head_dim"),
+    (dict(hidden_size=64, num_attention_heads=4, keep_window_size=0), "keep_window_size"),
+    (dict(hidden_size=64, num_attention_heads=0), "num_attention_heads"),
+    (dict(hidden_size=64, num_attention_heads=4, rope_theta=-1.0), "rope_theta"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicMaskAttention(**kwargs)
+
+
+def test_bad_inputs():
+    layer = make_layer()
+    x = torch.randn(2, 8, 64, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="attention_mask"):
+        layer(x, attention_mask=torch.ones(2, 9, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(TypeError, match="attention_mask"):
+        layer(x, attention_mask=torch.ones(2, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(2, 8, 32, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(TypeError, match="fp16 or bf16"):
+        layer.float()(x.float())
+    layer.half()
+    with pytest.raises(ValueError, match="max_seqlen"):
+        layer(x[:1], cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE), max_seqlen=8)
+    cache = layer.init_cache(2, 8)
+    layer(x[:, :6], past_key_values=cache)
+    with pytest.raises(ValueError, match="max_length"):
+        layer(x[:, :3], past_key_values=cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_real_size_bf16(causal):
+    layer = DynamicMaskAttention(1024, 16, 4, keep_window_size=512, is_causal=causal).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        layer.A.normal_()
+    x = torch.randn(2, 2048, 1024, device=DEVICE, dtype=torch.bfloat16)
+    real = torch.ones(2, 2048, dtype=torch.bool, device=DEVICE)
+    real[1, :700] = False
+    y = layer(x, attention_mask=real)
+    P, extras = double_params(layer), {}
+    ref = dma_reference(layer, P, x, real, selection_scores=selection(layer, x, real), extras=extras)
+    assert_close("out", y, ref, torch.bfloat16, scale=2)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref.backward(grad.double())
+    check_parameter_grads(layer, P, extras, torch.bfloat16)

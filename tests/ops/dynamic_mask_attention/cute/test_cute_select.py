@@ -1,0 +1,235 @@
+"""Backend selection and the CuTe backend's availability checks, on CPU: the device and the
+installed software are monkeypatched, so these run (and must pass) without the CuTe stack."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flash_dma.ops.dynamic_mask_attention.cute import availability, plain
+from flash_dma.ops.dynamic_mask_attention.cute.select import (BACKEND_ENV, CuteBackendUnavailable,
+                                                              choose_backend, requested_backend)
+
+PLAIN = dict(has_mask=False, has_bias=False, head_dim=128, dtype=torch.bfloat16, varlen=False)
+NO_CUTE = "nvidia-cutlass-dsl is not installed. Install the Hopper extra: " + availability.INSTALL_HINT
+
+
+@pytest.fixture
+def status(monkeypatch):
+    """Set the CuTe status the selection sees: status(None) = usable, status("why") = not."""
+    def set_status(value):
+        monkeypatch.setattr(availability, "cute_backend_status", lambda device: value)
+    return set_status
+
+
+@pytest.fixture
+def status_never_asked(monkeypatch):
+    def fail(device):
+        raise AssertionError("the CuTe status was consulted")
+    monkeypatch.setattr(availability, "cute_backend_status", fail)
+
+
+@pytest.fixture(autouse=True)
+def no_env(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+
+
+@pytest.mark.parametrize("value, expected", [("", "auto"), ("auto", "auto"), ("CUTE", "cute"),
+                                             (" triton ", "triton")])
+def test_requested_backend_reads_the_environment(value, expected):
+    assert requested_backend({BACKEND_ENV: value}) == expected
+    assert requested_backend({}) == "auto"
+
+
+def test_requested_backend_refuses_unknown_names():
+    with pytest.raises(ValueError, match=BACKEND_ENV + ".*'cudnn'"):
+        requested_backend({BACKEND_ENV: "cudnn"})
+    with pytest.raises(ValueError, match="requested"):
+        choose_backend("cuda", requested="fast", **PLAIN)
+
+
+def test_triton_requested_never_consults_cute(status_never_asked):
+    assert choose_backend("cuda", requested="triton", **PLAIN) == ("triton", f"{BACKEND_ENV}=triton")
+
+
+def test_auto_picks_cute_for_plain_attention_where_it_runs(status):
+    status(None)
+    for varlen in (False, True):
+        backend, reason = choose_backend("cuda", requested="auto", **{**PLAIN, "varlen": varlen})
+        assert backend == "cute", reason
+        assert ("varlen" if varlen else "fixed-length") in reason
+
+
+def test_auto_falls_back_with_the_status_as_reason(status):
+    status(NO_CUTE)
+    backend, reason = choose_backend("cuda", requested="auto", **PLAIN)
+    assert backend == "triton"
+    assert NO_CUTE in reason
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(has_mask=True), "mask"), (dict(has_bias=True), "bias"),
+    (dict(has_mask=True, has_bias=True), "mask or bias"),
+    (dict(head_dim=80), "head dim 80"), (dict(head_dim=32), "head dim 32"),
+    (dict(dtype=torch.float32), "torch.float32"),
+])
+def test_auto_falls_back_for_what_cute_lacks_without_importing_it(status_never_asked, change, words):
+    backend, reason = choose_backend("cuda", requested="auto", **{**PLAIN, **change})
+    assert backend == "triton"
+    assert words in reason
+
+
+def test_forcing_cute_where_it_cannot_run_raises_why_and_how(status):
+    status(NO_CUTE)
+    with pytest.raises(CuteBackendUnavailable) as info:
+        choose_backend("cuda", requested="cute", **PLAIN)
+    message = str(info.value)
+    assert f"{BACKEND_ENV}=cute" in message and NO_CUTE in message
+    assert message.count(availability.INSTALL_HINT) == 1
+    # a device reason gets the install line too
+    status("the CuTe backend runs on CUDA GPUs, and the tensors are on cpu")
+    with pytest.raises(CuteBackendUnavailable, match=r"on cpu.*SM90.*flash-dma\[hopper\]"):
+        choose_backend("cpu", requested="cute", **PLAIN)
+
+
+def test_forcing_cute_reads_the_environment(status, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "cute")
+    status(None)
+    assert choose_backend("cuda", **PLAIN) == ("cute", f"{BACKEND_ENV}=cute")
+    status(NO_CUTE)
+    with pytest.raises(CuteBackendUnavailable):
+        choose_backend("cuda", **PLAIN)
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert choose_backend("cuda", **PLAIN)[0] == "triton"
+
+
+def test_forced_cute_still_falls_back_for_a_missing_feature(status):
+    status(None)
+    backend, reason = choose_backend("cuda", requested="cute", **{**PLAIN, "has_bias": True,
+                                                                  "varlen": True})
+    assert backend == "triton"
+    assert f"{BACKEND_ENV}=cute" in reason and "bias" in reason and "varlen" in reason
+
+
+def test_real_status_on_cpu_and_no_import_of_the_cute_stack():
+    """Run in a fresh interpreter: selecting on CPU (auto) and the status of a CPU device must not
+    import cutlass or FA4 (the base install pays nothing for the optional backend)."""
+    code = (
+        "import sys, torch\n"
+        "from flash_dma.ops.dynamic_mask_attention.cute import choose_backend, cute_backend_status\n"
+        "backend, reason = choose_backend('cpu', False, False, 128, torch.float16, False, 'auto')\n"
+        "assert backend == 'triton' and 'cpu' in reason, reason\n"
+        "assert 'CUDA' in cute_backend_status(torch.device('cpu'))\n"
+        "loaded = [m for m in ('cutlass', 'flash_attn', 'quack') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def fake_gpu(monkeypatch, capability, name="NVIDIA H100 80GB HBM3"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    availability._cuda_status.cache_clear()
+    availability.software_status.cache_clear()
+
+
+@pytest.fixture
+def clear_status_caches():
+    yield
+    availability._cuda_status.cache_clear()
+    availability.software_status.cache_clear()
+
+
+def test_status_names_a_gpu_that_is_not_sm90(monkeypatch, clear_status_caches):
+    fake_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    reason = availability.cute_backend_status("cuda:0")
+    assert "A100" in reason and "8.0" in reason and "9.0" in reason
+    fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
+    assert "10.0" in availability.cute_backend_status("cuda")
+
+
+def test_status_on_sm90_checks_the_installed_versions(monkeypatch, clear_status_caches):
+    versions = {}
+    monkeypatch.setattr(availability, "_installed_version", lambda dist: versions.get(dist))
+    imported = []
+    monkeypatch.setattr(availability, "_import_failure", lambda module: imported.append(module))
+    fake_gpu(monkeypatch, (9, 0))
+    reason = availability.cute_backend_status("cuda:0")
+    assert "nvidia-cutlass-dsl is not installed" in reason and "flash-attn-4 is not installed" in reason
+    assert reason.endswith(availability.INSTALL_HINT) and not imported
+
+    versions.update({"nvidia-cutlass-dsl": "4.7.1", "flash-attn-4": "4.0.0b35"})
+    fake_gpu(monkeypatch, (9, 0))
+    reason = availability.cute_backend_status("cuda:0")
+    assert "4.7.1" in reason and "4.8.x" in reason and "4.0.0b35" in reason and "4.0.0b36" in reason
+
+    versions.update({"nvidia-cutlass-dsl": "4.8.1", "flash-attn-4": availability.FLASH_ATTN_4_VERSION})
+    fake_gpu(monkeypatch, (9, 0))
+    assert availability.cute_backend_status("cuda:0") is None
+    assert imported == ["cutlass", "cutlass.cute", "flash_attn.cute.interface"]
+
+
+def test_status_reports_a_broken_import(monkeypatch, clear_status_caches):
+    monkeypatch.setattr(availability, "_installed_version",
+                        lambda dist: {"nvidia-cutlass-dsl": "4.8.1",
+                                      "flash-attn-4": availability.FLASH_ATTN_4_VERSION}[dist])
+    monkeypatch.setattr(availability, "_import_failure",
+                        lambda module: "OSError: libcuda.so.1: cannot open" if module == "cutlass" else None)
+    fake_gpu(monkeypatch, (9, 0))
+    reason = availability.cute_backend_status("cuda:0")
+    assert "importing cutlass failed (OSError: libcuda.so.1" in reason
+    assert availability.INSTALL_HINT in reason
+
+
+def test_import_failure_catches_what_a_broken_module_raises():
+    assert availability._import_failure("math") is None
+    assert "ModuleNotFoundError" in availability._import_failure("flash_dma_no_such_module")
+
+
+def test_plain_supports(status):
+    status(None)
+    problem = plain.PlainProblem(device=torch.device("cuda"), dtype=torch.float16, head_dim=256,
+                                 num_heads=16, num_kv_heads=4, is_varlen=True, is_causal=True)
+    assert plain.supports(problem) is None
+    assert "mask" in plain.supports(plain.PlainProblem(**{**problem.__dict__, "has_mask": True}))
+    assert "head dim 40" in plain.supports(plain.PlainProblem(**{**problem.__dict__, "head_dim": 40}))
+    assert "do not divide" in plain.supports(plain.PlainProblem(**{**problem.__dict__, "num_kv_heads": 3}))
+    status(NO_CUTE)
+    assert plain.supports(problem) == NO_CUTE
+
+
+def test_tma_ready_copies_only_what_tma_cannot_describe():
+    t = torch.randn(2, 7, 3, 64, dtype=torch.float16)
+    assert plain._tma_ready(t) is t
+    heads_last = torch.randn(2, 7, 64, 3, dtype=torch.float16).transpose(-1, -2)  # stride(-1) = 3
+    assert plain._tma_ready(heads_last).is_contiguous()
+    packed = torch.randn(2, 7, 3, 3 * 64 + 4, dtype=torch.float16)[..., 4:68]  # start 8 bytes in
+    ready = plain._tma_ready(packed)
+    assert ready is not packed and torch.equal(ready, packed)
+    narrow = torch.randn(2, 7, 3, 68, dtype=torch.float16)[..., :64]  # row stride 68: not 16-byte
+    assert plain._tma_ready(narrow) is not narrow
+    wide = torch.randn(2, 7, 3, 72, dtype=torch.float16)[..., 8:72]  # aligned start and strides
+    assert plain._tma_ready(wide) is wide
+
+
+def test_rows_without_keys_get_plus_inf():
+    q, k = torch.empty(1, 5, 1, 64), torch.empty(1, 3, 1, 64)
+    assert plain._may_have_empty_rows(q, k, causal=True, varlen=False)
+    assert not plain._may_have_empty_rows(q, k, causal=False, varlen=False)
+    assert not plain._may_have_empty_rows(k, q, causal=True, varlen=False)
+    assert plain._may_have_empty_rows(q, k[:, :0], causal=False, varlen=False)
+    assert plain._may_have_empty_rows(k, q, causal=False, varlen=True)
+    lse = torch.tensor([1.5, -math.inf, math.inf, math.nan, -3.0])
+    plain._empty_rows_to_plus_inf(lse)
+    assert lse[:3].tolist() == [1.5, math.inf, math.inf] and math.isnan(lse[3]) and lse[4] == -3.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where torch sees no GPU")
+def test_real_status_without_a_gpu(clear_status_caches):
+    availability._cuda_status.cache_clear()
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        assert "torch sees none" in availability.cute_backend_status(device)
