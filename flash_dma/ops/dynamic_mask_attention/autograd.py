@@ -14,7 +14,7 @@ from .plan import AttentionProblem, plan_backward, plan_forward
 BACKENDS = {"triton": triton_backend}
 
 
-class DynamicMaskAttention(torch.autograd.Function):
+class DynamicMaskAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, problem: AttentionProblem, deterministic: bool):
         plan = plan_forward(problem, q, mask, bias)

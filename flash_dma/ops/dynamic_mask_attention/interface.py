@@ -14,7 +14,7 @@ import torch
 from ...runtime.hardware import device_guard
 from ...runtime.validation import check_cu_seqlens, check_same_device, cu_seqlens_values, \
     last_dim_contiguous
-from .autograd import DynamicMaskAttention
+from .autograd import DynamicMaskAttentionFunction
 from .checks import check_max_seqlens, check_qkv, deterministic_requested, \
     softmax_scale_or_default, validate_pair
 from .plan import AttentionProblem
@@ -51,7 +51,7 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
                   softmax_scale_or_default(softmax_scale, head_dim), None, None)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = DynamicMaskAttention.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
+        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -90,5 +90,5 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   bool(is_causal), softmax_scale_or_default(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = DynamicMaskAttention.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
+        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
     return (out, lse) if return_lse else out
