@@ -51,7 +51,8 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
                   softmax_scale_or_default(softmax_scale, head_dim), None, None)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
+        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb,
+                                                      deterministic_requested(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -90,5 +91,6 @@ def flash_dma_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   bool(is_causal), softmax_scale_or_default(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     with device_guard(device):
-        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb, deterministic_requested(deterministic))
+        out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, pb,
+                                                      deterministic_requested(deterministic))
     return (out, lse) if return_lse else out
