@@ -90,8 +90,6 @@ def attn_bwd_dq_kernel(
                 (dq * softmax_scale).to(DQ.dtype.element_ty), HEAD_DIM)
 
 
-
-
 @triton.jit
 def scale_cast_kernel(SRC, DST, n, scale, BLOCK: tl.constexpr):
     """DST = SRC * scale in DST's dtype, over n contiguous elements (the fp32 dq accumulator into
