@@ -9,7 +9,6 @@ sys.path.insert(0, os.getcwd())
 import torch
 from flash_dma import flash_dma_func
 from flash_dma.runtime import config
-from flash_dma.ops.dynamic_mask_attention import interface as AI
 from flash_dma.benchmarks.common import time_ms
 
 def kernel_ms(fn, name="attn_bwd_dkdv_kernel", reps=10):
@@ -21,7 +20,6 @@ def kernel_ms(fn, name="attn_bwd_dkdv_kernel", reps=10):
                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith(name)) / 1000 / reps
 
 C = config.LaunchConfig
-real = AI.select_config
 dt = torch.bfloat16
 def case(label, B, H, S, D, causal=False, bias=None, mask=None, cfgs=()):
     torch.manual_seed(0)
@@ -42,9 +40,9 @@ def case(label, B, H, S, D, causal=False, bias=None, mask=None, cfgs=()):
     g = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
     ref = None
     for cfg in (None,) + tuple(cfgs):
-        if cfg is not None:
-            AI.select_config = lambda kernel, *a, cfg=cfg, **kw: cfg if kernel == "attn_bwd_dkdv" else real(kernel, *a, **kw)
+        forced = config.overrides(attn_bwd_dkdv=cfg) if cfg is not None else config.overrides()
         try:
+            forced.__enter__()
             t0 = time.time(); grads = g(); torch.cuda.synchronize(); comp = time.time() - t0
             if ref is None:
                 ref = grads
@@ -56,7 +54,7 @@ def case(label, B, H, S, D, causal=False, bias=None, mask=None, cfgs=()):
         except Exception as e:
             print(label, cfg, "failed", type(e).__name__, str(e)[:150], flush=True)
         finally:
-            AI.select_config = real
+            forced.__exit__(None, None, None)
 
 
 def main():

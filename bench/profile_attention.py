@@ -14,7 +14,6 @@ import torch  # noqa: E402
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.runtime import config  # noqa: E402
 from flash_dma.benchmarks.common import time_ms  # noqa: E402
-from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
 
 
 def kernel_times(fn, reps=10):
@@ -47,27 +46,15 @@ def main():
             print(f"  {name}: total {time_ms(fn):.3f} ms")
             for kname, ms in kernel_times(fn)[:6]:
                 print(f"    {ms:8.3f} ms  {kname}")
-        from flash_dma.ops.dynamic_mask_attention import kernels
-        saved = dict(kernels.DKDV_KEY_ROWS)
-        for key_rows in (True, False):
-            kernels.DKDV_KEY_ROWS = {False: key_rows, True: key_rows}
-            ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-            print(f"  bwd with key-major tile {'keys' if key_rows else 'queries'} on rows: {ms:.3f} ms")
-            for kname, kms in kernel_times(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))[:2]:
-                print(f"    {kms:8.3f} ms  {kname}")
-        kernels.DKDV_KEY_ROWS = saved
         C = config.LaunchConfig
-        real = interface.select_config
         for cfg in (C(128, 64, 8, 3), C(128, 64, 8, 3, True), C(128, 64, 8, 4, True), C(128, 32, 8, 4, True)):
-            interface.select_config = lambda kernel, *a, cfg=cfg, **kw: cfg if kernel == "attn_fwd" else real(kernel, *a, **kw)
             try:
-                ms = time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias))
+                with config.overrides(attn_fwd=cfg):
+                    ms = time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias))
                 flops = 4 * B * H * S * S * D
                 print(f"  fwd {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s")
             except Exception as exc:  # noqa: BLE001
                 print(f"  fwd {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
-            finally:
-                interface.select_config = real
 
 
 if __name__ == "__main__":

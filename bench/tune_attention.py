@@ -4,8 +4,8 @@
 
 Each kernel is timed with each candidate (the others keep their current choice) on a
 representative shape; winners go to the persistent tuning cache (flash_dma.runtime.tuning_cache), every
-timing to its profiling log, and a summary to --out so that the defaults in flash_dma/config.py
-can be updated from it.
+timing to its profiling log, and a summary to --out so that the launch table
+(flash_dma/ops/dynamic_mask_attention/launch_table.py) can be updated from it.
 """
 import argparse
 import json
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.runtime import config  # noqa: E402
 from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
-from flash_dma.ops.dynamic_mask_attention import interface  # noqa: E402
+from flash_dma.ops.dynamic_mask_attention import autograd, launch_table  # noqa: E402
 
 C = config.LaunchConfig
 CANDIDATES = {
@@ -56,31 +56,34 @@ def main():
             dout = torch.randn_like(q)
             for kernel in args.kernels:
                 cands = CANDIDATES[kernel]
-                real_select = interface.select_config
-
                 requested = {}  # the variant the op asks for (e.g. "plain-dq" with fused dq)
 
                 def time_config(cfg, kernel=kernel, measure=True):
-                    def pick(name, device, head_dim, dtype, variant_asked=""):
-                        if name != kernel:
-                            return real_select(name, device, head_dim, dtype, variant_asked)
-                        requested["variant"] = variant_asked
-                        return cfg
-                    interface.select_config = pick
-                    try:
+                    with config.overrides(**{kernel: cfg}):
                         out = flash_dma_func(q, k, v, attn_bias=bias, is_causal=args.causal)
                         if not measure:  # one untimed call: only to see what the op asks for
-                            torch.autograd.grad(out, leaves, dout)
+                            plans = record_plans(lambda: torch.autograd.grad(out, leaves, dout))
+                            passes = [plans[0].forward, plans[1].dkdv, plans[1].dq]
+                            requested["variant"] = next(p.variant for p in passes
+                                                        if p is not None and p.kernel == kernel)
                             return None
                         if kernel == "attn_fwd":
                             return time_ms(lambda: flash_dma_func(q, k, v, attn_bias=bias, is_causal=args.causal))
                         return time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+                def record_plans(backward):
+                    """The forward plan of `out` and the backward plan `backward` builds."""
+                    seen, real = [], autograd.plan_backward
+                    autograd.plan_backward = lambda fwd, *a: seen.append((fwd, real(fwd, *a))) or seen[-1][1]
+                    try:
+                        backward()
                     finally:
-                        interface.select_config = real_select
+                        autograd.plan_backward = real
+                    return seen[0]
 
                 block_d = config.head_dim_block(d)
                 fits = [c for c in cands
-                        if config.estimate_shared_memory(kernel, c, block_d, 2, 2 if bias is not None else 0) <= 227 * 1024]
+                        if launch_table.estimate_shared_memory(kernel, c, block_d, 2, 2 if bias is not None else 0) <= 227 * 1024]
                 timings = {}
 
                 def recorder(cfg, kernel=kernel):
@@ -91,8 +94,7 @@ def main():
                 time_config(fits[0], measure=False)
                 best = config.tune(kernel, q.device, d, torch.bfloat16,
                                    requested.get("variant", variant), recorder, fits)
-                from flash_dma.ops.dynamic_mask_attention import kernels as K
-                fn = getattr(K, kernel + "_kernel")
+                fn = launch_table.triton_kernel(kernel)
                 spills = sorted({ck.n_spills for ck in fn.device_caches[q.device.index or 0][0].values()})
                 row = {"kernel": kernel, "head_dim": d, "variant": requested.get("variant", variant),
                        "causal": args.causal,

@@ -167,9 +167,14 @@ def env(args) -> int:
         print(f"  {name} = {default!r} ({values}): {doc}")
     for op, shape in (("attention", args.attention), ("gdn", args.gdn)):
         if shape:
-            from .benchmarks.plans import describe
             print(f"{op} plan for {shape}:")
-            for line in describe(op, shape):
+            if op == "attention":
+                from .ops.dynamic_mask_attention.plan import describe as describe_attention
+                lines = describe_attention(shape)
+            else:
+                from .benchmarks.plans import describe
+                lines = describe(op, shape)
+            for line in lines:
                 print("  " + line)
     return 0
 

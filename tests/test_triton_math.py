@@ -4,8 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import DEVICE, DTYPES
-from flash_dma.runtime import config
+from conftest import DEVICE
 from flash_dma.runtime.triton_math import exp2_poly, exp2_split
 
 
@@ -42,20 +41,3 @@ def test_exp2_split_keeps_every_column_in_place(poly):
     _exp2_kernel[(1,)](x, y, poly, 16, 32)
     assert torch.allclose(y, torch.exp2(x), rtol=1e-4, atol=0)
     assert y[3, 5] == 0
-
-
-def test_attention_with_polynomial_exp2(monkeypatch):
-    """The forward with half of its exponentials on the FMA pipe matches the reference."""
-    from test_attention import check_against_reference, make_inputs
-    monkeypatch.setattr(config, "INTERPRETER_CONFIG",
-                        config.LaunchConfig(16, 16, 1, 1, exp2_poly=True))
-    if DEVICE == "cuda":
-        real = config.select_config
-        monkeypatch.setattr("flash_dma.ops.dynamic_mask_attention.interface.select_config",
-                            lambda k, *a, **kw: config.LaunchConfig(**{**real(k, *a, **kw).__dict__,
-                                                                       "exp2_poly": k == "attn_fwd"}))
-    dtype = DTYPES[-1]
-    q, k, v, mask, bias = make_inputs(2, 37, 45, 4, 2, 32, dtype, (2, 4, 37, 45), (2, 4, 37, 45))
-    mask[:, :, 7] = False  # an empty row: still exactly 0, no NaN
-    out, _ = check_against_reference(q, k, v, mask, bias, True, dtype)
-    assert (out[:, 7] == 0).all()

@@ -1,9 +1,9 @@
-"""Launch configuration: block sizes, warps and pipeline depth for each kernel.
+"""Launch configuration, generic pieces: the LaunchConfig record, where a choice came from
+(Chosen), the one way to override a choice (overrides), and the tuning sweep that fills the
+persistent tuning cache.
 
-Chosen from, in order:
-  1. the persistent tuning cache (filled by `tune`, i.e. by a sweep on this very GPU),
-  2. defaults measured on Hopper (H100/H200) for the architecture and head dim,
-  3. a generic rule that shrinks tiles until they fit the device's shared memory.
+Each op keeps its own table and its selection order beside its kernels (attention:
+ops/dynamic_mask_attention/launch_table.py; the gated delta rule: ops/gated_delta_rule/config.py).
 In Triton's CPU interpreter small tiles are used so that small test shapes still cross blocks.
 """
 from __future__ import annotations
@@ -12,14 +12,14 @@ import contextlib
 import contextvars
 import functools
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import triton
 
 from . import tuning_cache
-from .hardware import DeviceInfo, device_info, interpreter_active
+from .hardware import DeviceInfo, device_info
 
 
 @dataclass(frozen=True)
@@ -135,152 +135,13 @@ def remember_until_retuned(choose: Callable) -> Callable:
     return chosen
 
 
-# Hopper defaults, keyed by (kernel, padded head dim), or (kernel, padded head dim, variant) where
-# the variant ("bias" or "plain"; "-dq" when the key-major kernel also adds up dq; "-list" when
-# it walks block lists; "-full" when those list every tile of a problem without mask or causal
-# rule; "-dbtma" when dbias goes out by TMA stores) changes the winner; a variant without an entry
-# takes its longest listed prefix's. From the sweeps of bench/tune_attention.py on an H200,
-# 2026-11-21 (bench/results/tune-*.json; the "-dq" ones: dq-strategy-H200-20261121.txt). The
-# key-major backward is register-bound: at head dim 128 its two fp32 accumulators fill the
-# register file unless the key tile stays small.
-_HOPPER_DEFAULTS: dict[tuple, LaunchConfig] = {
-    ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),
-    ("attn_fwd", 32): LaunchConfig(128, 64, 4, 3),
-    ("attn_fwd", 64): LaunchConfig(128, 64, 4, 3),
-    ("attn_fwd", 128): LaunchConfig(128, 64, 8, 3),
-    # no mask and no bias: 128-key tiles, 3 stages (no bias tile to stage): B4 H16 S4096 1.143 ->
-    # 1.100 ms, causal 0.655 -> 0.615 (H200, bench/results/s12-probes-H200-20261122.txt); with a
-    # mask the walks keep 64-key tiles (finer skipping), at D64 128 keys lost (0.663 -> 0.764)
-    ("attn_fwd", 128, "plain-dense"): LaunchConfig(128, 128, 8, 3),
-    ("attn_fwd", 256): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dkdv", 16): LaunchConfig(64, 64, 4, 2),
-    ("attn_bwd_dkdv", 32): LaunchConfig(64, 64, 4, 2),
-    ("attn_bwd_dkdv", 64): LaunchConfig(64, 64, 4, 2),
-    ("attn_bwd_dkdv", 64, "bias"): LaunchConfig(64, 64, 4, 3),
-    ("attn_bwd_dkdv", 64, "plain-dq"): LaunchConfig(32, 128, 4, 2),
-    ("attn_bwd_dkdv", 128): LaunchConfig(32, 128, 8, 2),
-    # 64-query tiles with 3 stages won at B4 H16 S4096 (4.297 -> 4.132 ms) but lost by 47-57% at
-    # S1024, S8192, GQA and B1 H32 in the same session (H200, s12 probes): register-bound on a knife
-    # edge, they spill where the compiled variant differs a little. Kept at 32.
-    ("attn_bwd_dkdv", 128, "plain-dq"): LaunchConfig(32, 128, 8, 3),
-    ("attn_bwd_dkdv", 128, "bias-dq"): LaunchConfig(32, 128, 8, 3),
-    # dbias by TMA stores: 64-query tiles (2.781 -> 2.552 ms at B2 H16 S4096 with the stores;
-    # without them these tiles gained 1%; H200, bench/results/s13-probes-H200-20261122.txt)
-    ("attn_bwd_dkdv", 128, "bias-dbtma"): LaunchConfig(64, 128, 8, 2),
-    # block lists ("-list"): 64-query tiles, which spill in the dense walk (B4 H16 S4096: 6.3 ms
-    # vs 4.1), measured 1.97 vs 2.43 ms with every tile listed, 0.32 vs 0.37 with 1/8 (H200, s7)
-    ("attn_bwd_dkdv", 128, "plain-dq-list"): LaunchConfig(64, 128, 8, 2),
-    # no mask, not causal ("-full": every listed tile whole, as long as the lists): 3 stages, B4 H16
-    # S4096 4.085 -> 3.900 ms, B2 H16 S8192 7.980 -> 7.481, B1 H32 S2048 -4%, B8 H16 S1000 -3%;
-    # causal lost (2.197 -> 2.321: shorter lists), so did D64 and the masked walks (H200,
-    # bench/results/s13-probes-H200-20261122.txt)
-    ("attn_bwd_dkdv", 128, "plain-dq-list-full"): LaunchConfig(64, 128, 8, 3),
-    ("attn_bwd_dkdv", 256): LaunchConfig(32, 64, 8, 2),
-    ("attn_bwd_dq", 16): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dq", 32): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dq", 64): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dq", 128): LaunchConfig(128, 64, 8, 2),
-    ("attn_bwd_dq", 256): LaunchConfig(64, 32, 4, 3),
-}
-
-
-def estimate_shared_memory(kernel: str, cfg: LaunchConfig, block_d: int, elem_bytes: int,
-                           bias_bytes: int = 4) -> int:
-    """Rough bytes of shared memory a configuration needs (operands staged per pipeline stage).
-    bias_bytes: the element size of the bias tile staged beside them, 0 where there is none."""
-    m, n, s = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    bias_tile = m * n * bias_bytes
-    if kernel == "attn_fwd":  # Q resident, K and V streamed
-        return m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + bias_tile)
-    if kernel == "attn_bwd_dkdv":  # K, V resident, Q and dO streamed
-        return 2 * n * block_d * elem_bytes + s * (2 * m * block_d * elem_bytes + bias_tile)
-    return 2 * m * block_d * elem_bytes + s * (2 * n * block_d * elem_bytes + bias_tile)
-
-
-def _fit_to_device(kernel: str, cfg: LaunchConfig, info: DeviceInfo, block_d: int,
-                   elem_bytes: int, bias_bytes: int) -> LaunchConfig:
-    budget = info.shared_memory_per_block
-    while estimate_shared_memory(kernel, cfg, block_d, elem_bytes, bias_bytes) > budget:
-        if cfg.num_stages > 1:
-            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
-        elif max(cfg.block_m, cfg.block_n) > 16:
-            if cfg.block_m >= cfg.block_n:
-                cfg = replace(cfg, block_m=cfg.block_m // 2)
-            else:
-                cfg = replace(cfg, block_n=cfg.block_n // 2)
-        else:
-            break
-    return cfg
-
-
-def _variant_chain(variant: str) -> list[str]:
-    """The variant and its shorter prefixes, most specific first:
-    "plain-dq-list" -> ["plain-dq-list", "plain-dq", "plain"]."""
-    parts = variant.split("-") if variant else []
-    return ["-".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def default_config(kernel: str, info: DeviceInfo, block_d: int, elem_bytes: int = 2,
-                   variant: str = "") -> LaunchConfig:
-    d = min(block_d, 256)
-    cfg = _HOPPER_DEFAULTS[(kernel, d)]
-    for narrower in _variant_chain(variant):
-        if (kernel, d, narrower) in _HOPPER_DEFAULTS:
-            cfg = _HOPPER_DEFAULTS[(kernel, d, narrower)]
-            break
-    if not info.is_hopper:
-        # Older or other GPUs: fewer stages by default; then make sure the tiles fit.
-        cfg = replace(cfg, num_stages=min(cfg.num_stages, 2), warp_specialize=False)
-    return _fit_to_device(kernel, cfg, info, block_d, elem_bytes,
-                          variant_bias_bytes(kernel, variant, elem_bytes))
-
-
-def variant_bias_bytes(kernel: str, variant: str, elem_bytes: int) -> int:
-    """Bytes per element of the bias tile a variant stages: none for "plain...", the inputs' size
-    for the forward's "bias" (it names an fp32 bias "bias-fp32"), else 4 (the most)."""
-    if variant.startswith("plain"):
-        return 0
-    return elem_bytes if kernel == "attn_fwd" and variant == "bias" else 4
-
-
 def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, variant: str) -> str:
     return f"{info.name}|sm{info.arch}|triton{triton.__version__}|{kernel}|d{block_d}|{dtype}|{variant}"
 
 
-def select_config(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype,
-                  variant: str = "") -> LaunchConfig:
-    if interpreter_active() or device.type != "cuda":
-        return INTERPRETER_CONFIG
-    return _select_cuda_config(kernel, device, head_dim, dtype, variant)
-
-
-@remember_until_retuned
-def _select_cuda_config(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype,
-                        variant: str) -> LaunchConfig:
-    info = device_info(device)
-    block_d = head_dim_block(head_dim)
-    hit = tuning_cache.lookup(cache_key(kernel, info, block_d, dtype, variant))
-    if hit is not None:
-        return LaunchConfig(**hit)
-    return default_config(kernel, info, block_d, dtype.itemsize, variant)
-
-
-def candidate_configs(kernel: str, block_d: int) -> list[LaunchConfig]:
-    """The sweep space for `tune`: tile shapes Hopper can hold at this head dim."""
-    out = []
-    for bm in (32, 64, 128):
-        for bn in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    cfg = LaunchConfig(bm, bn, warps, stages)
-                    if estimate_shared_memory(kernel, cfg, block_d, 2) <= 228 * 1024:
-                        out.append(cfg)
-    return out
-
-
 def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, variant: str,
          time_config: Callable[[LaunchConfig], float],
-         candidates: Iterable[LaunchConfig] | None = None) -> LaunchConfig:
+         candidates: Iterable[LaunchConfig]) -> LaunchConfig:
     """Time each candidate with `time_config` (milliseconds), remember the fastest.
 
     The winner goes to the persistent cache, every timing to the profiling log. Candidates that
@@ -290,7 +151,7 @@ def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, v
     block_d = head_dim_block(head_dim)
     key = cache_key(kernel, info, block_d, dtype, variant)
     best, best_ms = None, math.inf
-    for cfg in candidates if candidates is not None else candidate_configs(kernel, block_d):
+    for cfg in candidates:
         try:
             ms = time_config(cfg)
         except Exception as exc:  # noqa: BLE001 - resource errors differ by Triton version

@@ -52,3 +52,8 @@ def log_choice(op: str, pass_name: str, backend: str, info: DeviceInfo, shape: t
     fields = " ".join(f"{name}={value}" for name, value in shape)
     LOGGER.info(f"op={op} pass={pass_name} backend={backend} arch={arch} "
                 f"smem={info.shared_memory_per_block // 1024}KB {fields} choice={choice} source={source}")
+
+
+def active() -> bool:
+    """Whether choices are being logged: callers skip building the shape fields when not."""
+    return _ENABLED

@@ -23,7 +23,8 @@ from ...runtime.config import head_dim_block
 from ...runtime.hardware import device_guard
 from ...runtime.launch import launch
 from ...runtime.validation import check_head_dim, check_same_device, check_tensor, last_dim_contiguous
-from ..dynamic_mask_attention.interface import _pair_strides, _scale, _validate_pair
+from ..dynamic_mask_attention.checks import softmax_scale_or_default, validate_pair
+from ..dynamic_mask_attention.triton.host import pair_strides
 from .plan import plan_decode
 from .triton.append import append_kv_kernel
 from .triton.combine import decode_combine_kernel
@@ -204,11 +205,11 @@ def flash_dma_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                                    or num_splits < 0):
         raise TypeError(f"num_splits: expected None or a non-negative int, got {num_splits!r}")
     words = ("Sq", "S_max, the cache's capacity")
-    mask = _validate_pair("attn_mask", attn_mask, batch, heads, kv_heads, seqlen_q, capacity,
+    mask = validate_pair("attn_mask", attn_mask, batch, heads, kv_heads, seqlen_q, capacity,
                           (torch.bool,), device, words)
-    bias = _validate_pair("attn_bias", attn_bias, batch, heads, kv_heads, seqlen_q, capacity,
+    bias = validate_pair("attn_bias", attn_bias, batch, heads, kv_heads, seqlen_q, capacity,
                           (q.dtype, torch.float32), device, words)
-    scale = _scale(softmax_scale, head_dim)
+    scale = softmax_scale_or_default(softmax_scale, head_dim)
     lengths = _lengths(cache_seqlens, batch, capacity, new_tokens, device)
     if check_inputs:
         _check_values(batch, lengths, new_tokens, capacity, cache_batch_idx, cache_batch,
@@ -261,7 +262,7 @@ def _decode(q, k_cache, v_cache, out, lse, lengths, cache_batch_idx, block_table
     if gather:
         kept_count = torch.empty((batch, kv_heads), dtype=torch.int32, device=device)
         kept_index = torch.empty((batch, kv_heads, capacity), dtype=torch.int32, device=device)
-        m_strides = _pair_strides(mask)
+        m_strides = pair_strides(mask)
         launch(compact_kept_keys_kernel, (batch * kv_heads,),
                mask.view(torch.uint8), kept_count, kept_index, lengths, _or(cache_batch_idx, lengths),
                kv_heads, group, group if mask_per_head else 1, heads // mask.shape[1],
@@ -285,8 +286,8 @@ def _decode(q, k_cache, v_cache, out, lse, lengths, cache_batch_idx, block_table
     else:
         o_part = lse_part = dummy
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
-    m_strides = _pair_strides(mask)
-    b_strides = _pair_strides(bias)
+    m_strides = pair_strides(mask)
+    b_strides = pair_strides(bias)
     launch(decode_split_kernel, (plan.num_splits, batch * kv_heads, plan.row_blocks),
            q, k_cache, v_cache, out, lse, o_part, lse_part,
            lengths, _or(cache_batch_idx, lengths), _or(block_table, lengths),

@@ -3,7 +3,7 @@
 Everything here is a handful of device-side torch ops on the mask (no host synchronisation): the
 lists have fixed, worst-case shapes and carry their own counts, which the kernels read.
 
-Two list kinds (see kernels.py for how they are walked):
+Two list kinds (see triton/common.py for how they are walked):
 - block lists: for each query tile the key tiles holding a kept entry, ascending (and the
   transpose, for the key-major backward pass), split into full tiles (every entry kept and
   visible: the kernel neither loads the mask nor checks anything) and partial ones. Causal
@@ -21,12 +21,18 @@ import torch
 from ...runtime.config import ceil_div
 from ...runtime.hardware import graph_capturing
 from ...runtime.tensor_cache import TensorKeyedCache
-from .kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
+
+# How a kernel walks the key axis (its KV_MODE; triton/common.py describes each walk)
+KV_DENSE = 0  # every key tile; the causal rule cuts the range short
+KV_BLOCK_LIST = 1  # listed tiles only: full ones without checks, then partial ones
+KV_GATHERED = 2  # key-wise masks: the kept keys, compacted
+
+WALK_NAMES = {KV_DENSE: "dense", KV_BLOCK_LIST: "lists", KV_GATHERED: "gathered"}
 
 
 @dataclass
 class KeyWalk:
-    """How one kernel walks the key (or, key-major, the query) axis. See kernels.py.
+    """How one kernel walks the key (or, key-major, the query) axis. See triton/common.py.
 
     Block lists: count [Bl, Hl, rows|1, 2] and index [Bl, Hl, rows|1, 2, n], kind 0 holding the
     full tiles and kind 1 the partial ones. Gathered keys: count [Bl, Hl, rows|1] (key-major:
@@ -64,7 +70,7 @@ def choose_mode(mask: torch.Tensor | None, num_heads: int, num_kv_heads: int) ->
         return KV_DENSE
     key_wise = mask.shape[2] == 1 and mask.shape[3] > 1
     if key_wise and (mask.shape[1] != num_heads or num_heads == num_kv_heads):
-        return KV_GATHER
+        return KV_GATHERED
     return KV_BLOCK_LIST
 
 
@@ -121,14 +127,14 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
     len_k = _sequence_lengths(cu_seqlens_k, seqlen_k, device)
     causal_shift = len_k - len_q  # key j is hidden from query i when j > i + shift
 
-    if mode == KV_GATHER:
+    if mode == KV_GATHERED:
         keep = mask[:, :, 0, :]
         if cu_seqlens_k is not None:  # keys past a sequence's end are padding, never kept
             keep = keep & (torch.arange(seqlen_k, device=device) < len_k)
         count, index = _sorted_lists(keep)
         head_div = num_heads // keep.shape[1]
         if key_major:
-            return KeyWalk(KV_GATHER, count, index, head_div)
+            return KeyWalk(KV_GATHERED, count, index, head_div)
         if is_causal:
             seen = keep.cumsum(-1, dtype=torch.int32)
             last_row = torch.minimum((torch.arange(n_m, device=device) + 1) * block_m, len_q) - 1
@@ -138,7 +144,7 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
             count = torch.where(last_key >= 0, per_block, 0).to(torch.int32)
         else:
             count = count[..., None]
-        return KeyWalk(KV_GATHER, count, index, head_div)
+        return KeyWalk(KV_GATHERED, count, index, head_div)
 
     if mask is None:  # every tile (all_tiles_walk)
         any_kept = all_kept = torch.ones(1, 1, n_m, n_n, dtype=torch.bool, device=device)
@@ -181,7 +187,7 @@ _remembered_all_tiles = functools.lru_cache(maxsize=64)(_plan_all_tiles)
 def all_tiles_walk(**kw) -> KeyWalk:
     """Block lists of every tile (without a mask; causal visibility and ragged ends folded in as
     for a mask), shared by all batches and heads: the key-major backward walks them faster than
-    its dense walk (kernels' KV_MODE 1 against 0; see interface._key_major_mode). Fixed lengths
+    its dense walk (KV_BLOCK_LIST against KV_DENSE; see plan.plan_backward). Fixed lengths
     only; remembered per shape, except in CUDA graph capture (lists made there are only filled at
     replay: built each time, as TensorKeyedCache.get does)."""
     if graph_capturing(kw["device"]):

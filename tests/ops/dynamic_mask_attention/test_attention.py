@@ -7,6 +7,7 @@ from helpers import assert_close, assert_lse_close
 from flash_dma import flash_dma_func, flash_dma_varlen_func
 from flash_dma.ops.dynamic_mask_attention import attention_reference, attention_varlen_reference
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to
+from flash_dma.runtime import config
 
 
 def random_mask(shape, density=0.6, coarse=16):
@@ -245,9 +246,9 @@ def test_gpu_keywise_topk_long(dtype):
 
 @pytest.mark.gpu
 def test_gpu_one_compilation_serves_every_length():
-    from flash_dma.ops.dynamic_mask_attention import kernels
+    from flash_dma.ops.dynamic_mask_attention.triton.forward import attn_fwd_kernel
     dtype = torch.bfloat16
-    cache = kernels.attn_fwd_kernel.device_caches[torch.cuda.current_device()][0]
+    cache = attn_fwd_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(cache)
     for S in (128, 300, 301, 517, 1000, 1999):  # lengths, not multiples of anything in particular
         q, k, v, mask, bias = make_inputs(2, S, S, 4, 4, 72, dtype, None, (2, 4, S, S))
@@ -295,55 +296,51 @@ def test_mask_edited_in_place_is_replanned():
     check_against_reference(q, k, v, mask, None, False, dtype, grad=False)
 
 
-@pytest.mark.parametrize("key_rows", [False, True])
-def test_both_key_major_tile_orientations(key_rows, monkeypatch):
-    """The dk/dv kernel can hold its tile either way round; both must be exact."""
-    from flash_dma.ops.dynamic_mask_attention import kernels
-    monkeypatch.setattr(kernels, "DKDV_KEY_ROWS", {False: key_rows, True: key_rows})
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_major_pass_with_mask_and_broadcast_bias(causal):
+    """The dk/dv kernel with a mask and a full bias (block lists, dbias tile stores), and with a
+    bias broadcast along queries (dbias summed over queries in registers)."""
     dtype = DTYPES[-1]
     B, Sq, Sk, H, Hk = 2, 37, 41, 4, 2
     q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, Sq, Sk), (B, H, Sq, Sk))
-    check_against_reference(q, k, v, mask, bias, True, dtype)
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
     q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, None, (1, H, 1, Sk))
-    check_against_reference(q, k, v, mask, bias, False, dtype)
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
 
 
 @pytest.mark.parametrize("list_walk", [False, True])
-def test_both_key_major_walks_without_mask(list_walk, monkeypatch):
+def test_both_key_major_walks_without_mask(list_walk):
     """Without a mask the key-major pass walks lists of every tile (or, switched off, its dense
     walk); both exact: odd lengths, Sq > Sk with causal (rows that see no key), GQA, MQA, without a
     bias and with a full-shape one (dq by matmul), and with a broadcast bias (dense walk)."""
-    from flash_dma.ops.dynamic_mask_attention import interface
-    monkeypatch.setattr(interface, "ALL_TILES_LIST_WALK", list_walk)
     dtype = DTYPES[-1]
-    for (B, Sq, Sk, H, Hk), causal in (((2, 45, 37, 4, 2), True), ((1, 33, 50, 3, 1), False),
-                                       ((2, 50, 19, 2, 2), True)):
-        q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 32, dtype)
-        check_against_reference(q, k, v, None, None, causal, dtype)
-    for bias_shape in ((2, 4, 45, 37), (2, 4, 1, 37)):
-        q, k, v, _, bias = make_inputs(2, 45, 37, 4, 2, 32, dtype, None, bias_shape)
-        check_against_reference(q, k, v, None, bias, True, dtype)
+    with config.overrides(attention_all_tiles_list_walk=list_walk):
+        for (B, Sq, Sk, H, Hk), causal in (((2, 45, 37, 4, 2), True), ((1, 33, 50, 3, 1), False),
+                                           ((2, 50, 19, 2, 2), True)):
+            q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 32, dtype)
+            check_against_reference(q, k, v, None, None, causal, dtype)
+        for bias_shape in ((2, 4, 45, 37), (2, 4, 1, 37)):
+            q, k, v, _, bias = make_inputs(2, 45, 37, 4, 2, 32, dtype, None, bias_shape)
+            check_against_reference(q, k, v, None, bias, True, dtype)
 
 
 @pytest.mark.parametrize("strategy", ["fused", "atomic", "kernel"])
-def test_every_dq_path(strategy, monkeypatch):
+def test_every_dq_path(strategy):
     """dq added by the key-major kernel (TMA bulk reductions, or element atomics: the interpreter
-    has only the latter) or computed by the separate query-major kernel; both tile orientations,
-    GQA, causal with Sq > Sk (rows that see no key), a mask with empty tiles, varlen."""
-    from flash_dma.ops.dynamic_mask_attention import interface, kernels
+    has only the latter) or computed by the separate query-major kernel; GQA, causal with Sq > Sk
+    (rows that see no key), a mask with empty tiles, varlen."""
     if strategy == "fused" and DEVICE == "cpu":
         pytest.skip("in the interpreter 'fused' is 'atomic'")
-    monkeypatch.setattr(interface, "DQ_STRATEGY", strategy)
     dtype = DTYPES[-1]
     B, Sq, Sk, H, Hk = 2, 45, 37, 4, 2
-    for key_rows in (False, True):
-        monkeypatch.setattr(kernels, "DKDV_KEY_ROWS", {False: key_rows, True: key_rows})
+    with config.overrides(attention_dq_strategy=strategy):
         q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, 32, dtype, (B, Hk, Sq, Sk), (1, H, 1, Sk))
         check_against_reference(q, k, v, mask, bias, True, dtype)
-    q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 24, dtype)
-    check_against_reference(q, k, v, None, None, False, dtype)
-    q, k, v, mask, bias, meta = varlen_case([5, 0, 1, 37], [7, 3, 1, 29], 4, 2, 32, dtype, "full", None)
-    check_against_reference(q, k, v, mask, bias, True, dtype, varlen=meta)
+        q, k, v, _, _ = make_inputs(B, Sq, Sk, H, Hk, 24, dtype)
+        check_against_reference(q, k, v, None, None, False, dtype)
+        q, k, v, mask, bias, meta = varlen_case([5, 0, 1, 37], [7, 3, 1, 29], 4, 2, 32, dtype, "full",
+                                                None)
+        check_against_reference(q, k, v, mask, bias, True, dtype, varlen=meta)
 
 
 @pytest.mark.parametrize("layout", ["fused-qkv", "token-sliced"])
@@ -409,11 +406,15 @@ def test_transposed_inputs_and_broadcast_output_gradient():
 def test_global_deterministic_mode_selects_the_deterministic_backward(monkeypatch):
     """torch.use_deterministic_algorithms(True) asks for the deterministic backward without the
     argument, as it does of torch's own kernels."""
-    from flash_dma.ops.dynamic_mask_attention import interface
+    from flash_dma.ops.dynamic_mask_attention import autograd
     seen = []
-    real = interface._attention_backward
-    monkeypatch.setattr(interface, "_attention_backward",
-                        lambda *a: seen.append(a[-1]) or real(*a))
+    real = autograd.plan_backward
+
+    def spy(*args):
+        plan = real(*args)
+        seen.append(plan.deterministic)
+        return plan
+    monkeypatch.setattr(autograd, "plan_backward", spy)
     q, k, v, mask, bias = make_inputs(1, 9, 9, 2, 2, 16, DTYPES[-1], None, (1, 2, 9, 9))
     leaves = [q.requires_grad_(), bias.requires_grad_()]
     previous = torch.are_deterministic_algorithms_enabled()
@@ -425,3 +426,57 @@ def test_global_deterministic_mode_selects_the_deterministic_backward(monkeypatc
         finally:
             torch.use_deterministic_algorithms(previous)
     assert seen == [False, True]
+
+
+def test_attention_with_polynomial_exp2():
+    """The forward with half of its exponentials on the FMA pipe matches the reference."""
+    from dataclasses import replace
+
+    from flash_dma.ops.dynamic_mask_attention.launch_table import select_config
+    dtype = DTYPES[-1]
+    cfg = select_config("attn_fwd", torch.device(DEVICE), 32, dtype, "bias").value
+    with config.overrides(attn_fwd=replace(cfg, exp2_poly=True)):
+        q, k, v, mask, bias = make_inputs(2, 37, 45, 4, 2, 32, dtype, (2, 4, 37, 45), (2, 4, 37, 45))
+        mask[:, :, 7] = False  # an empty row: still exactly 0, no NaN
+        out, _ = check_against_reference(q, k, v, mask, bias, True, dtype)
+    assert (out[:, 7] == 0).all()
+
+
+def test_plan_carries_every_choice_and_the_profile_log_names_it(monkeypatch, caplog):
+    """One plan per call: the strategy choices follow config.overrides, and with
+    FLASH_DMA_PROFILE=1 each pass logs its choice once per shape class."""
+    import logging
+
+    from flash_dma.ops.dynamic_mask_attention import autograd, sparsity
+    from flash_dma.runtime import profile
+    plans = []
+    real = autograd.plan_backward
+    monkeypatch.setattr(autograd, "plan_backward", lambda *a: plans.append(real(*a)) or plans[-1])
+    monkeypatch.setenv("FLASH_DMA_PROFILE", "1")
+    profile.refresh()
+    dtype = DTYPES[-1]
+    try:
+        with caplog.at_level(logging.INFO, logger="flash_dma"):
+            q, k, v, _, bias = make_inputs(2, 33, 33, 4, 2, 32, dtype, None, (1, 2, 1, 33))
+            leaves = [t.requires_grad_() for t in (q, k, v, bias)]
+            for strategy in ("kernel", "atomic"):
+                with config.overrides(attention_dq_strategy=strategy,
+                                      attention_all_tiles_list_walk=False):
+                    for _ in range(2):  # the second call logs nothing new
+                        out = flash_dma_func(*leaves[:3], attn_bias=leaves[3], is_causal=True)
+                        torch.autograd.grad(out.float().sum(), leaves)
+    finally:
+        monkeypatch.delenv("FLASH_DMA_PROFILE")
+        profile.refresh()
+    assert [p.dq_strategy for p in plans[::2]] == [config.Chosen("kernel", "override"),
+                                                   config.Chosen("fused", "override")]
+    assert plans[0].dq is not None and plans[2].dq is None
+    assert plans[0].dkdv.kv_mode == sparsity.KV_DENSE and plans[0].backend.value == "triton"
+    assert plans[0].dbias.reduce == "atomic"  # a bias shared by batches and a group's heads
+    lines = [r.getMessage() for r in caplog.records if r.name == "flash_dma"]
+    passes = [line.split("pass=")[1].split()[0] for line in lines]
+    assert passes == ["fwd", "bwd_dkdv", "bwd_dq", "bwd_dkdv"], lines
+    assert "backend=triton" in lines[0] and "D=32 Sq=33 Sk=33 B=2 H=4 Hk=2" in lines[0]
+    assert "bias=1,Hk,1,Sk" in lines[0]
+    assert "source=interpreter" in lines[0] or DEVICE == "cuda"
+    assert "dq=kernel" in lines[1] and "dq=fused" in lines[3]

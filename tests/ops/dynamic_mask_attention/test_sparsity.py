@@ -4,8 +4,8 @@ import torch
 
 from conftest import DEVICE
 from flash_dma import topk_mask_from_bias
-from flash_dma.ops.dynamic_mask_attention.kernels import KV_BLOCK_LIST, KV_DENSE, KV_GATHER
-from flash_dma.ops.dynamic_mask_attention.sparsity import choose_mode, plan_key_walk
+from flash_dma.ops.dynamic_mask_attention.sparsity import KV_BLOCK_LIST, KV_DENSE, KV_GATHERED, choose_mode, \
+    plan_key_walk
 
 
 def walk(mask, key_major, causal=False, bm=16, bn=16, H=4):
@@ -18,11 +18,11 @@ def walk(mask, key_major, causal=False, bm=16, bn=16, H=4):
 
 def test_mode_choice():
     assert choose_mode(None, 4, 2) == KV_DENSE
-    assert choose_mode(torch.ones(1, 2, 1, 64, dtype=torch.bool), 4, 2) == KV_GATHER
-    assert choose_mode(torch.ones(1, 1, 1, 64, dtype=torch.bool), 4, 2) == KV_GATHER
+    assert choose_mode(torch.ones(1, 2, 1, 64, dtype=torch.bool), 4, 2) == KV_GATHERED
+    assert choose_mode(torch.ones(1, 1, 1, 64, dtype=torch.bool), 4, 2) == KV_GATHERED
     # key-wise but differing across the heads of a kv group: block lists
     assert choose_mode(torch.ones(1, 4, 1, 64, dtype=torch.bool), 4, 2) == KV_BLOCK_LIST
-    assert choose_mode(torch.ones(1, 4, 1, 64, dtype=torch.bool), 4, 4) == KV_GATHER
+    assert choose_mode(torch.ones(1, 4, 1, 64, dtype=torch.bool), 4, 4) == KV_GATHERED
     assert choose_mode(torch.ones(1, 4, 50, 64, dtype=torch.bool), 4, 2) == KV_BLOCK_LIST
 
 

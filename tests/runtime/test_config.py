@@ -1,0 +1,51 @@
+"""Launch configuration, generic pieces: the persistent tuning cache, overrides of declared choices."""
+import json
+
+import torch
+
+from flash_dma.runtime import config, tuning_cache
+from flash_dma.runtime.hardware import DeviceInfo
+
+
+def test_tuning_cache_roundtrip_and_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_DMA_CACHE_DIR", str(tmp_path))
+    tuning_cache.forget_memory()
+    info = DeviceInfo("fake", 90, 132, 227 * 1024, 0)
+    monkeypatch.setattr(config, "device_info", lambda device: info)
+    timings = {64: 2.0, 128: 1.0}
+    candidates = [config.LaunchConfig(64, 64, 4, 2), config.LaunchConfig(128, 64, 8, 2),
+                  config.LaunchConfig(256, 256, 8, 3)]
+
+    def time_config(cfg):
+        if cfg.block_m == 256:
+            raise RuntimeError("out of resources")
+        return timings[cfg.block_m]
+
+    best = config.tune("attn_fwd", torch.device("cuda"), 128, torch.bfloat16, "plain", time_config,
+                       candidates)
+    assert best == candidates[1]
+    tuning_cache.forget_memory()  # a later process reads the file
+    key = config.cache_key("attn_fwd", info, 128, torch.bfloat16, "plain")
+    assert config.LaunchConfig(**tuning_cache.lookup(key)) == candidates[1]
+    log = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and log[2]["error"] == "RuntimeError"
+    tuning_cache.forget_memory()
+
+
+def test_overrides_refuse_unknown_choices_and_values():
+    import pytest
+
+    import flash_dma  # noqa: F401 - the ops declare their choices on import
+    with pytest.raises(ValueError, match="unknown choice"):
+        with config.overrides(attention_dq_stratgy="kernel"):
+            pass
+    with pytest.raises(ValueError, match="must be one of"):
+        with config.overrides(attention_dq_strategy="sideways"):
+            pass
+    assert config.choice("attention_dq_strategy") == config.Chosen("fused", "table")
+    with config.overrides(attention_dq_strategy="kernel"):
+        assert config.choice("attention_dq_strategy") == config.Chosen("kernel", "override")
+        with config.overrides(attention_all_tiles_list_walk=False):
+            assert config.choice("attention_dq_strategy").value == "kernel"  # nested: kept
+            assert config.choice("attention_all_tiles_list_walk") == config.Chosen(False, "override")
+    assert config.choice("attention_dq_strategy").source == "table"
