@@ -60,6 +60,20 @@ def test_fp32_inputs():
     check_against_reference(inputs, dtype)
 
 
+@pytest.mark.parametrize("gate", ["gk", "g+gk"])
+def test_strong_per_key_decay(gate):
+    """Kimi Delta Attention with a per-key log decay of -12 to -20 per token on half the key
+    channels (the other half ordinary): the factorised gate products of a 16-row block would
+    overflow fp32 there (NaN once), so those K tiles take the exact per-row form. K = 32 makes
+    both kinds meet in one call (16-wide K tiles in the interpreter)."""
+    dtype = torch.float32
+    inputs = make_inputs(1, 70, 1, 2, 32, 16, dtype, gate, True)
+    inputs["beta"] = inputs["beta"].float()
+    gk = inputs["gk"]
+    gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(12.0, 20.0)
+    check_against_reference(inputs, dtype)
+
+
 def test_fp32_beta_with_half_inputs():
     dtype = DTYPES[-1]
     inputs = make_inputs(1, 40, 1, 1, 16, 16, dtype, "g", False)

@@ -7,7 +7,10 @@ total log decay of key channel k at row i is B_i[k] = g_cum_i + gk_cum_i[k].
 
 Gate factorisation with gk: e^(B_i - B_j) = e^(B_i - r) e^(r - B_j). Between 16-row blocks I > J,
 r is B at the first row of block I, so both factors are <= 1. Inside a diagonal block r is its
-middle row, so factors stay below e^(8 |gk|) (exact unless the key decay per token is below e^-11).
+middle row, so factors stay below e^(8 |gk|): finite while the key decay per token is above about
+e^-10. A diagonal block's K tile whose factors would pass e^MAX_FACTOR_EXPONENT (Kimi Delta
+Attention with a strong decay) takes its pairs one key row at a time instead, each exponent
+B_i - B_j <= 0 (factors_fit decides, per program and K tile; ordinary gates never get there).
 
 Varlen: programs of chunk-parallel kernels are chunk slots; a slot maps to (sequence, chunk) through
 `chunk_map` (built on the device, no host sync); unused slots exit at once. Kernels with several
@@ -255,6 +258,32 @@ def reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV: tl.constexpr, K: tl.cons
     if HAS_G:
         ref += tl.load(g_cum + (tok0 + row) * HV + hv)
     return ref
+
+
+# The largest exponent a factor of the gate factorisation may have: below fp32's e^88.7, so that
+# no factor is infinite (a kept product of two, e^(B_i - B_j), is <= 1).
+MAX_FACTOR_EXPONENT = tl.constexpr(80.0)
+
+
+@triton.jit
+def factors_fit(left_exponent, valid_left, right_exponent, valid_right):
+    """Whether the factors e^left_exponent and e^right_exponent ([SUB, BK] tiles) stay below
+    e^MAX_FACTOR_EXPONENT on their valid rows."""
+    worst_left = tl.max(tl.max(tl.where(valid_left[:, None], left_exponent, float("-inf")), axis=1), axis=0)
+    worst_right = tl.max(tl.max(tl.where(valid_right[:, None], right_exponent, float("-inf")), axis=1), axis=0)
+    return tl.maximum(worst_left, worst_right) <= MAX_FACTOR_EXPONENT
+
+
+@triton.jit
+def row_of(x, sub, r):
+    """Row r of a [SUB, N] tile, as an [N] vector."""
+    return tl.sum(tl.where((sub == r)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def column_of(x, sub, c):
+    """Column c of an [N, SUB] tile, as an [N] vector."""
+    return tl.sum(tl.where((sub == c)[None, :], x, 0.0), axis=1)
 
 
 @triton.jit

@@ -9,8 +9,8 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import BLOCKS_PER_CHUNK, CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
-    BLOCKS, SUB, chunk_args, chunk_part_program, decay_factor, key_gate_rows, load_tile, load_vec,
-    outer_and_block, reference_gate, square_ptrs, store_vec, tile_ptrs
+    BLOCKS, SUB, chunk_args, chunk_part_program, column_of, decay_factor, factors_fit, key_gate_rows,
+    load_tile, load_vec, outer_and_block, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
 )
 
 
@@ -41,13 +41,26 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
             gate_i = key_gate_rows(g_cum, gk_cum, tok0, rows_i, hv, HV, K, cols, n_valid, HAS_G)
             gate_j = key_gate_rows(g_cum, gk_cum, tok0, rows_j, hv, HV, K, cols, n_valid, HAS_G)
             ref = reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV, K, cols, n_valid, HAS_G)
-            left = decay_factor(gate_i - ref[None, :], rows_i < n_valid)
-            right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
-                     * decay_factor(ref[None, :] - gate_j, rows_j < n_valid))
-            k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
-            q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
-            acc_a += tl.dot(k_rows * left, tl.trans(right))
-            acc_p += tl.dot(q_rows * left, tl.trans(right))
+            left_exponent = gate_i - ref[None, :]
+            right_exponent = ref[None, :] - gate_j
+            if factors_fit(left_exponent, rows_i < n_valid, right_exponent, rows_j < n_valid):
+                left = decay_factor(left_exponent, rows_i < n_valid)
+                right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+                         * decay_factor(right_exponent, rows_j < n_valid))
+                k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+                q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+                acc_a += tl.dot(k_rows * left, tl.trans(right))
+                acc_p += tl.dot(q_rows * left, tl.trans(right))
+            else:  # a diagonal block (I = J) with a strong decay: column j at a time, exactly
+                k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+                q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+                for j in range(0, SUB):
+                    keep = (sub >= j)[:, None] & (rows_i < n_valid)[:, None]
+                    decay = tl.exp(tl.where(keep, gate_i - row_of(gate_j, sub, j)[None, :], float("-inf")))
+                    k_j = row_of(k_rows, sub, j)[None, :]
+                    column = (sub == j)[None, :]
+                    acc_a += tl.where(column, tl.sum(k_rows * decay * k_j, axis=1)[:, None], 0.0)
+                    acc_p += tl.where(column, tl.sum(q_rows * decay * k_j, axis=1)[:, None], 0.0)
         off_diag = bi != bj
         a_keep = (sub[:, None] > sub[None, :]) | off_diag
         p_keep = (sub[:, None] >= sub[None, :]) | off_diag
@@ -83,13 +96,28 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
         rows_j = sub + bj * SUB
         ref = reference_gate(g_cum, gk_cum, tok0, blk, bj, hv, HV, K, cols, n_valid, HAS_G)
         gate_j = key_gate_rows(g_cum, gk_cum, tok0, rows_j, hv, HV, K, cols, n_valid, HAS_G)
-        right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
-                 * decay_factor(ref[None, :] - gate_j, rows_j < n_valid))
-        row_factor = decay_factor(gate_b - ref[None, :], valid_b)
-        m_ptrs, m_mask = square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
-        dq_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
-        m_ptrs, m_mask = square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
-        dka_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+        right_exponent = ref[None, :] - gate_j
+        left_exponent = gate_b - ref[None, :]
+        if factors_fit(left_exponent, valid_b, right_exponent, rows_j < n_valid):
+            right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+                     * decay_factor(right_exponent, rows_j < n_valid))
+            row_factor = decay_factor(left_exponent, valid_b)
+            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
+            dq_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+            m_ptrs, m_mask = square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
+            dka_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+        else:  # the diagonal block (J = b) with a strong decay: column j of dM at a time, exactly
+            k_j = load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
+            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
+            m_p = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            m_ptrs, m_mask = square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
+            m_a = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            for j in range(0, SUB):
+                keep = (sub >= j)[:, None] & valid_b[:, None]
+                decay = tl.exp(tl.where(keep, gate_b - row_of(gate_j, sub, j)[None, :], float("-inf")))
+                k_decayed = row_of(k_j, sub, j)[None, :] * decay
+                dq_b += column_of(m_p, sub, j)[:, None] * k_decayed
+                dka_b += column_of(m_a, sub, j)[:, None] * k_decayed
     # column b: d(right operand)_b = sum_{I >= b} (dM_Ib^T (a_I e^(B_I - r))) e^(r - B_b), a = q, beta k
     dkp_b = tl.zeros([SUB, BK], dtype=tl.float32)
     dkc_b = tl.zeros([SUB, BK], dtype=tl.float32)
@@ -97,15 +125,31 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
         rows_i = sub + bi * SUB
         ref = reference_gate(g_cum, gk_cum, tok0, bi, blk, hv, HV, K, cols, n_valid, HAS_G)
         gate_i = key_gate_rows(g_cum, gk_cum, tok0, rows_i, hv, HV, K, cols, n_valid, HAS_G)
-        left = decay_factor(gate_i - ref[None, :], rows_i < n_valid)
-        q_i = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
-        k_i = (load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
-               * load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
-        col_factor = decay_factor(ref[None, :] - gate_b, valid_b)
-        m_ptrs, m_mask = square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
-        dkp_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), q_i) * col_factor
-        m_ptrs, m_mask = square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
-        dkc_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), k_i) * col_factor
+        left_exponent = gate_i - ref[None, :]
+        right_exponent = ref[None, :] - gate_b
+        if factors_fit(left_exponent, rows_i < n_valid, right_exponent, valid_b):
+            left = decay_factor(left_exponent, rows_i < n_valid)
+            q_i = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+            k_i = (load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
+                   * load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
+            col_factor = decay_factor(right_exponent, valid_b)
+            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
+            dkp_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), q_i) * col_factor
+            m_ptrs, m_mask = square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
+            dkc_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), k_i) * col_factor
+        else:  # the diagonal block (I = b) with a strong decay: row i of dM at a time, exactly
+            q_i = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+            k_i = (load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+                   * load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
+            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
+            m_p = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            m_ptrs, m_mask = square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
+            m_a = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            for i in range(0, SUB):
+                keep = (sub <= i)[:, None] & (i < n_valid - bi * SUB)
+                decay = tl.exp(tl.where(keep, row_of(gate_i, sub, i)[None, :] - gate_b, float("-inf")))
+                dkp_b += row_of(m_p, sub, i)[:, None] * row_of(q_i, sub, i)[None, :] * decay
+                dkc_b += row_of(m_a, sub, i)[:, None] * row_of(k_i, sub, i)[None, :] * decay
     q_b = load_tile(q, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
     k_b = load_tile(k, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
     beta_b = load_vec(beta, tok0, rows_b, HV, hv, n_valid)[:, None]
