@@ -93,6 +93,12 @@ def overridden(name: str) -> Any | None:
     return _OVERRIDES.get().get(name)
 
 
+def active_overrides() -> dict:
+    """Every override in force (empty outside `overrides`): ops that memoise their plans build
+    them afresh while it is not empty."""
+    return _OVERRIDES.get()
+
+
 def choice(name: str) -> Chosen:
     """A declared strategy choice: its override, else its default."""
     value = overridden(name)

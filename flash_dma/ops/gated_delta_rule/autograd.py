@@ -1,0 +1,186 @@
+"""The gated delta rule's autograd Function: the order of the passes, forward and backward.
+
+Forward: prepare (gates, WY representation) -> states -> output; where T is kept and the GPU is
+full, the state pass forms the WY products from T itself. The backward keeps what FLA keeps
+(the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
+recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
+chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
+kernels are the plan's backend's (one module per pass).
+"""
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import torch
+
+from ...runtime.autograd import first_order_only
+from ...runtime.hardware import device_guard, graph_capturing
+from ...runtime.launch import compile_ahead, compile_ahead_enabled
+from .layout import ChunkLayout, as_rows, chunk_layout
+from .plan import DeltaRulePlan, plan_call
+from .triton import bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
+
+# The passes of each backend, by plan.backend. A second backend (ops/gated_delta_rule/cute/)
+# offers the same functions under the same names.
+BACKENDS = {"triton": SimpleNamespace(key_gates=key_gates, gate_pairs=gate_pairs, wy_prepare=wy_prepare,
+                                      state_pass=state_pass, output=output, bwd_dhu=bwd_dhu,
+                                      bwd_dqkw=bwd_dqkw, bwd_wy=bwd_wy)}
+
+
+def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, scale, store_wu: bool = True,
+             store_q_gated: bool = False):
+    """Gate cumsums, T = (I + A)^-1 per chunk, w and u (unless store_wu is False: returned as
+    None) and, with gk, the gated query-key matrix and k e^(C_last - C) (and, with store_q_gated,
+    q e^C) per value head for the state passes; None without gk."""
+    ops = BACKENDS[plan.backend]
+    ai = ops.wy_prepare.inverse_buffer(k, v.shape[2], gk is not None)
+    g_cum = gk_cum = aqk = k_gated = q_gated = None
+    if gk is not None:
+        # the gate cumsums and the gated pair products (16 programs per chunk) come first; the
+        # prepare program then only inverts and forms w, u (all in one program it spilled)
+        g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, store_q_gated)
+        aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g_cum, gk_cum, ai, scale)
+    g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu)
+    return g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated
+
+
+def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, T, HV, K] per value head -> [B, T, H, K] per q/k head (sum over the group)."""
+    B, T, HV, K = x.shape
+    if HV == heads:
+        return x
+    return x.view(B, T, heads, HV // heads, K).sum(3)
+
+
+def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
+            output_final_state: bool):
+    """-> (o, final state or None, g_cum and T where the backward reuses them, else None)."""
+    ops = BACKENDS[plan.backend]
+    split = plan.split_prepare.value
+    g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
+                                                        store_wu=not split)
+    if split and not plan.states_from_inverse.value:
+        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
+    h, v_new, final = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v, beta, ai, w, u,
+                                            g_cum, gk_cum, initial_state, output_final_state)
+    del w, u, k_gated
+    o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
+    # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
+    # states), where the backward can reuse them.
+    if not plan.keep_inverse:
+        g_cum = ai = None
+    return o, final, g_cum, ai
+
+
+def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
+             g_cum, ai):
+    """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither."""
+    ops = BACKENDS[plan.backend]
+    H, HV = q.shape[2], v.shape[2]
+    if ai is None:
+        g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
+                                                                  store_q_gated=True)
+    else:
+        gk_cum = aqk = k_gated = q_gated = None
+        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
+                                           with_u=not plan.backward_states_from_inverse.value)
+    k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
+    # u None: the state pass forms v_new from T (w is still bwd_dhu's)
+    h, v_new, _ = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
+                                        g_cum, gk_cum, initial_state, store_final=False)
+    dv_local = ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
+    dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
+                                       dv_local, g_cum, gk_cum, dht, initial_state is not None, scale)
+    del k_gated, q_gated, dv_local
+    grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
+    del h, dh, v_new
+    dv, dbeta, dg, d_a = ops.bwd_wy.bwd_wy(plan, layout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)
+    dgk = None
+    if gk is not None:
+        ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a, grads.dq,
+                                      grads.dk, dbeta, grads.db, scale)
+        dgk = ops.key_gates.gate_gradients(plan, layout, grads.db, dg)
+    if grads.direct:
+        dq, dk = grads.dq, grads.dk_out
+    else:
+        dq = _group_sum(grads.dq, H).to(q.dtype)
+        dk = _group_sum(grads.dk, H).to(k.dtype)
+    return dq, dk, dv, dg, dgk, dbeta, dh0
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
+        B, T = q.shape[:2]
+        layout = chunk_layout(B, T, cu_seqlens)
+        plan = plan_call(q, v, g is not None, gk is not None, layout)
+        o, final, g_cum, ai = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
+                                      output_final_state)
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
+        ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, gk, beta, initial_state, g_cum, ai = ctx.saved_tensors
+        do = as_rows(do)
+        dht = None if dht is None else dht.float().contiguous()
+        with device_guard(q.device):
+            dq, dk, dv, dg, dgk, dbeta, dh0 = backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
+                                                       initial_state, do, dht, g_cum, ai)
+        return first_order_only("chunk_gated_delta_rule",
+                                (dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None),
+                                (q, k, v, g, gk, beta, initial_state))
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling ahead
+# ------------------------------------------------------------------------------------------------
+# compile-time signatures whose kernels were compiled ahead (see compile_ahead_of_first_call),
+# and the exact call shapes already checked against them (a cheap first lookup: the full
+# signature costs more host time per call to form, and the shapes of a training step repeat)
+_COMPILED_AHEAD: set = set()
+_CHECKED_CALLS: set = set()
+
+
+def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
+    """On the first call with a new set of compile-time constants (dtypes, heads, head dims,
+    gates, states, layout), compile the kernels that this call's forward (and backward) will
+    launch, in parallel, before running it: a dry run of both in which every launch only hands
+    its compilation to a thread pool (launch.compile_ahead). The dry run allocates the buffers of
+    one forward and backward once. The real launches then find their kernels compiled; one the
+    dry run missed would compile as usual."""
+    q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens = args
+    call = (q.shape, v.shape, q.device, q.dtype, k.dtype, v.dtype, beta.dtype, g is None, gk is None,
+            initial_state is None, output_final_state,
+            None if cu_seqlens is None else cu_seqlens.numel(), backward)
+    if call in _CHECKED_CALLS:
+        return
+    if not compile_ahead_enabled() or graph_capturing(q.device):
+        return
+    if len(_CHECKED_CALLS) > 4096:  # varying lengths: bounded
+        _CHECKED_CALLS.clear()
+    _CHECKED_CALLS.add(call)
+    layout = chunk_layout(q.shape[0], q.shape[1], cu_seqlens)
+    plan = plan_call(q, v, g is not None, gk is not None, layout)
+    # The plan's choices set the kernels' constants; T only Triton's divisibility specialisation.
+    choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
+               plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value)
+    key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
+           g is not None, gk is not None, initial_state is not None, output_final_state,
+           layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)
+    if key in _COMPILED_AHEAD:
+        return
+    _COMPILED_AHEAD.add(key)
+    ctx = SimpleNamespace()
+    ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
+    try:
+        with torch.no_grad(), compile_ahead():
+            o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args)
+            if backward:
+                ChunkGatedDeltaRuleFunction.backward(ctx, torch.empty_like(o),
+                                                     None if final is None else torch.empty_like(final))
+    except Exception as exc:  # noqa: BLE001 - a speed-up only: the real call runs (and raises) as usual
+        warnings.warn(f"flash_dma: compiling ahead failed ({type(exc).__name__}: {exc}); kernels "
+                      "compile at their first launch instead", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,154 @@
+"""Launch configurations of the gated delta rule's kernel passes: the one table that configures them.
+
+`choose(pass, ...)` returns a Chosen (runtime.config) that says where the configuration came
+from, in this order:
+  "override"      `runtime.config.overrides(gdn_<pass>=GdnConfig(...))` (sweeps, tests),
+  "interpreter"   small tiles on the CPU, so that small test shapes cross tile boundaries,
+  "tuning cache"  an entry stored under gdn/<pass>/K<k>/V<v>/<GPU name> with
+                  flash_dma.runtime.tuning_cache.store, e.g. after a sweep on this GPU,
+  "table"         the defaults below, measured on Hopper (docs/perf/gated_delta_rule.md),
+  "rule"          derived from the problem (head dims that leave tiles partly masked, the number
+                  of sequential chains).
+The strategy choices of a call (split prepare, states from T) are made in plan.py with the
+rules at the end of this file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...runtime import tuning_cache
+from ...runtime.config import Chosen, declare_choice, head_dim_block, overridden, remember_until_retuned
+from ...runtime.hardware import device_info, interpreter_active
+
+
+@dataclass(frozen=True)
+class GdnConfig:
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Every pass, by the name the table, the overrides (gdn_<pass>) and the profiling log use.
+PASSES = ("chunk_cumsum", "gated_pairs", "prepare", "prepare_t", "prepare_gk", "recompute_wu", "fwd_h",
+          "fwd_h_from_t", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy", "pair_grad", "gate_grad")
+for _name in PASSES:
+    declare_choice(f"gdn_{_name}", None, (),
+                   f"launch configuration (GdnConfig) of the gated delta rule's {_name} pass")
+
+# Passes whose K tile must cover all of K (they hold a [K, BV] state or a full query tile).
+_FULL_K = ("fwd_h", "fwd_h_from_t", "bwd_dhu", "intra")
+_SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
+
+
+def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
+    """The Hopper table. The sequential passes are latency-bound: narrow V tiles (more programs
+    in flight) with a deep load pipeline."""
+    if kernel in _SEQUENTIAL:
+        return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
+    if kernel == "intra":
+        return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
+    if kernel == "pair_grad":  # one 16-row block per program: 64 wide, 4 warps, no pipeline
+        return GdnConfig(min(kp, 64), 16, num_warps=4, num_stages=1)
+    # K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory overrun in the
+    # dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide, masked beyond K.
+    if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
+        return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
+    if kernel == "prepare_t":  # T only, tf32 products: one warp per chunk
+        return GdnConfig(64, min(vp, 64), num_warps=1, num_stages=3)
+    if kernel == "prepare_gk":  # inverse and w, u only (the products come from gated_pairs)
+        return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
+    if kernel == "chunk_cumsum":
+        return GdnConfig(64, 16, num_warps=4, num_stages=1)
+    if kernel == "gated_pairs":  # one 16x16 block per program
+        return GdnConfig(64, 16, num_warps=2, num_stages=1)
+    if kernel == "recompute_wu":  # no software pipeline
+        return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
+    # bwd_wy and bwd_dqkw: a chunk's K-tile programs run side by side (sharing do, v_new, dv2
+    # in L2), so 64-wide K tiles with 4 warps beat all of K in one 8-warp tile
+    return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
+
+
+def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> GdnConfig:
+    """The sequential passes run one program per (V tile, sequence, head): latency-bound while
+    the GPU is not full, bandwidth-bound after (each V tile re-reads q, k, w). The narrowest tile
+    that still fills the SMs with 4 warps and 3 stages; once 64-wide tiles are needed, 8 warps
+    (4 spill the [K, 64] state), except for the forward pass past one wave (4 warps)."""
+    stages = 3 if kp <= 128 else 2  # K = 256: three stages of q/k/w tiles overflow shared memory
+    for width in (16, 32):
+        if width < vp and pairs * (vp // width) <= sm_count:
+            return GdnConfig(kp, width, num_warps=4, num_stages=stages)
+    if kernel == "fwd_h_from_t" and 32 < vp and pairs * (vp // 32) <= 2 * sm_count:
+        # the state pass that forms w, u from T (one more product per chunk) keeps 32-wide
+        # tiles up to two waves
+        return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
+    width = min(vp, 64)
+    if kernel in ("fwd_h", "fwd_h_from_t") and pairs * (vp // width) > sm_count:
+        # 3 stages: T is read in 16 bits
+        return GdnConfig(kp, width, num_warps=4, num_stages=stages)
+    return GdnConfig(kp, width, num_warps=8, num_stages=stages)
+
+
+def choose(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int = 0) -> Chosen:
+    """sequences_x_heads: for the sequential passes, the (sequence, value head) pairs, which set
+    how many programs a V tile width gives: narrow tiles only while the GPU is not yet full
+    (each V tile re-reads q, k and w)."""
+    forced = overridden(f"gdn_{kernel}")
+    if forced is not None:
+        return Chosen(forced, "override")
+    if kernel == "gate_grad":  # one program per chunk over all of K: nothing to tune
+        return Chosen(GdnConfig(max(64, head_dim_block(K)), 16), "rule")
+    if device.type != "cuda" or interpreter_active():
+        kp = head_dim_block(K)
+        return Chosen(GdnConfig(kp if kernel in _FULL_K else 16, 16, num_warps=1, num_stages=1), "interpreter")
+    return _choose_cuda(kernel, K, V, device, sequences_x_heads)
+
+
+@remember_until_retuned
+def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int) -> Chosen:
+    kp, vp = head_dim_block(K), head_dim_block(V)
+    info = device_info(device)
+    hit = tuning_cache.lookup(f"gdn/{kernel}/K{kp}/V{vp}/{info.name}")
+    if hit:
+        return Chosen(GdnConfig(**hit), "tuning cache")
+    cfg, source = _default(kernel, kp, vp), "table"
+    if kernel not in _FULL_K and (K % 64 or V % 64):
+        # Partly masked 64-wide tiles: the table's configurations crashed on Triton 3.6 / Hopper
+        # (an illegal address at K = 48, V = 32); these passed every GPU test.
+        cfg, source = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2), "rule"
+    if kernel in _SEQUENTIAL and sequences_x_heads:
+        cfg, source = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count), "rule"
+    if kernel == "intra":  # V tiles of 16 gave wrong outputs, and of 32 an out-of-bounds shared
+        # memory read (K = 48, V = 32), on the H200 with Triton 3.6: 64 wide, masked beyond V
+        cfg = GdnConfig(cfg.block_k, 64, cfg.num_warps, cfg.num_stages)
+    return Chosen(cfg, source)
+
+
+def config_name(cfg: GdnConfig) -> str:
+    """A configuration as the profiling log names it: BK128_BV16_W4_S3."""
+    return f"BK{cfg.block_k}_BV{cfg.block_v}_W{cfg.num_warps}_S{cfg.num_stages}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Strategy rules (plan.py makes them declared choices)
+# ------------------------------------------------------------------------------------------------
+def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
+    """Whether the backward recomputes w, u from the forward's T (else prepare runs again, and
+    the forward keeps nothing extra). Not with gk: its per-key cumsums and query-key products
+    would cost more to keep than to recompute. Not with head dims that leave 64-wide tiles partly
+    masked: the recompute kernel then read shared memory out of bounds on Triton 3.6 / Hopper
+    (compute-sanitizer)."""
+    return not has_gk and K % 64 == 0 and V % 64 == 0
+
+
+def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, backward: bool) -> bool:
+    """Whether a state pass forms w and u from T (one more dependent product per chunk, which
+    costs where few programs run) instead of reading them from the recompute kernel (bytes, which
+    cost where the GPU is full). The recompute's bytes grow with K, hence pairs x K: from 32
+    pairs at K = 128 in the forward. In the backward the recompute kernel writes w either way
+    (bwd_dhu reads it), so from T spares only u: from 64 pairs at K = 128."""
+    if device.type != "cuda" or interpreter_active():
+        return True
+    return sequences_x_heads * K >= (64 if backward else 32) * 128

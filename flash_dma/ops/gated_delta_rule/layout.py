@@ -1,0 +1,74 @@
+"""How the kernels see the tokens: 64-token chunks of equal-length sequences, or of packed
+sequences (cu_seqlens) mapped to chunk slots on the device, without a host sync."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...runtime.config import ceil_div
+from ...runtime.tensor_cache import TensorKeyedCache
+
+CHUNK = 64  # tokens per chunk
+SUB_ROWS = 16  # rows of the blocks of the WY inverse and of the gated pair products
+BLOCKS_PER_CHUNK = CHUNK // SUB_ROWS
+
+
+@dataclass
+class ChunkLayout:
+    batch: int  # B (1 with cu_seqlens)
+    seq_len: int  # T
+    num_seqs: int  # N
+    num_slots: int  # programs of the chunk-parallel kernels, per (batch, head)
+    num_chunk_states: int  # first dim of the per-chunk state buffers (B * NT, or num_slots)
+    cu_seqlens: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence
+    chunk_map: torch.Tensor | None  # [num_slots, 2] (sequence or -1, chunk within it)
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+# varlen layouts per cu_seqlens object: every layer and both passes of a step share one
+_LAYOUTS = TensorKeyedCache()
+
+
+def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
+    if cu_seqlens is None:
+        nt = ceil_div(seq_len, CHUNK)
+        return ChunkLayout(batch, seq_len, batch, nt, batch * nt, None, None, None)
+    return _LAYOUTS.get(cu_seqlens, ("layout", seq_len), lambda: varlen_layout(seq_len, cu_seqlens))
+
+
+def total_chunks(cu_seqlens: torch.Tensor) -> int:
+    """Chunks of all packed sequences: read from the device once per cu_seqlens object (the one
+    host synchronisation of the public bwd_dhu, which must size dh)."""
+    return _LAYOUTS.get(cu_seqlens, ("total_chunks",), lambda: int(_chunk_counts(cu_seqlens).sum()),
+                        reuse_in_capture=True)  # (dh's size: fixed in a graph anyway)
+
+
+def _chunk_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
+
+
+def varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
+    cu = cu_seqlens.to(torch.int32)
+    n = cu.numel() - 1
+    # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
+    slots = ceil_div(seq_len, CHUNK) + n
+    counts = _chunk_counts(cu)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    starts = (ends - counts).to(torch.int32)
+    slot = torch.arange(slots, device=cu.device, dtype=torch.int32)
+    seq = torch.searchsorted(ends, slot, right=True).to(torch.int32)
+    used = seq < n
+    seq_c = seq.clamp(max=max(n - 1, 0))
+    local = slot - starts[seq_c] if n > 0 else slot
+    chunk_map = torch.stack([torch.where(used, seq, -1), torch.where(used, local, 0)], 1).contiguous()
+    return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address [B, T, heads, D] tensors as dense rows."""
+    return t if t.is_contiguous() else t.contiguous()

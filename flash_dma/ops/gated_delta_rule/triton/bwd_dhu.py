@@ -1,0 +1,107 @@
+"""The backward's sequential pass: the state gradients, chunks from last to first (the public
+chunk_gated_delta_rule_bwd_dhu)."""
+import torch
+import triton
+import triton.language as tl
+
+from ....runtime.config import ceil_div
+from ....runtime.launch import launch
+from ..layout import ChunkLayout
+from .common import (
+    CHUNK, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args, sequence_program,
+    state_ptrs, store_tile
+)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seqlens, chunk_offsets,
+                       T, scale,
+                       HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
+                       STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
+    the state at the end of the chunk:
+        dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
+        D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
+    q and k come already gated by gk (q e^gk, k e^(gk_last - gk): the public convention; the op
+    passes those of gdn_chunk_cumsum_kernel). BK covers all of K."""
+    seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
+        cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    state = initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
+    dt = q.dtype.element_ty
+    num_chunks = tl.cdiv(seq_len, CHUNK)
+    # dv is read one chunk ahead: without a gate the compiler folds the dv add into the MMA's
+    # accumulator, and a load feeding an accumulator is not pipelined (its latency then sat in
+    # the chain of dependent MMAs every chunk).
+    # The per-key decay row at a chunk's end is read one chunk ahead too (a plain load there
+    # stalled the first MMA of the chunk).
+    last = tl.maximum(num_chunks - 1, 0)  # a length-0 sequence loads nothing
+    n_last = tl.minimum(seq_len - last * CHUNK, CHUNK).to(tl.int32)
+    dv_next = load_tile(dv, bos + last * CHUNK, rows, HV, hv, V, vcols, n_last)
+    if HAS_GK:
+        c_last_next = load_last_row(gk_cum, tl.maximum(bos + last * CHUNK + n_last - 1, 0), HV, hv, K, krows)
+    for c_rev in range(0, num_chunks):
+        c = num_chunks - 1 - c_rev
+        tok0 = bos + c * CHUNK
+        n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
+        c_ahead = tl.maximum(c - 1, 0)
+        n_ahead = tl.minimum(seq_len - c_ahead * CHUNK, CHUNK).to(tl.int32)
+        dvt = dv_next
+        dv_next = load_tile(dv, bos + c_ahead * CHUNK, rows, HV, hv, V, vcols, n_ahead)
+        if HAS_GK:
+            c_last = c_last_next
+            c_last_next = load_last_row(gk_cum, bos + c_ahead * CHUNK + n_ahead - 1, HV, hv, K, krows)
+        ptrs, mask = state_ptrs(dh, chunk0 + c, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state.to(dh.dtype.element_ty), mask=mask)
+        qt = load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
+        kt = load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
+        wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+        dot_t = load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
+        kd = tl.dot(kt, state.to(dt))
+        if HAS_G:
+            # (q e^g)^T do = q^T (e^g do): the gate goes on do's rows, q stays a plain load
+            bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+            b_last = load_last(g_cum, tok0, HV, hv, n_valid)
+            kd = kd * tl.exp(b_last - bt)[:, None]
+            dot_t = dot_t * tl.exp(bt)[:, None]
+            state = state * tl.exp(b_last)
+        if HAS_GK:
+            state = state * tl.exp(c_last)[:, None]
+        dv2t = dvt.to(tl.float32) + kd
+        store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
+        # scale on do's rows too: do then reaches the MMA from registers in every mode, which
+        # measured faster than straight from its load when there is no gate (H200)
+        if BK > 128:
+            # both products accumulate into the state itself: as `state += A - B` three [K, BV]
+            # fp32 tiles are live, which spilled at K = 256 (B2 T8192 H8 mode C 0.753 -> 0.387 ms
+            # this way, H200; bench/results/s10-probes-H200-20261121.txt)
+            state = tl.dot(tl.trans(qt), (dot_t * scale).to(dt), acc=state)
+            state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
+        else:  # 1-2% faster up to K = 128 (the same probe)
+            state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
+    if STORE_DH0:
+        ptrs, mask = state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float):
+    """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv)."""
+    B, T, HQ, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    dev = q.device
+    dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
+    dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+    dv2 = torch.empty_like(dv)
+    cfg = plan.launch("bwd_dhu")
+    cu, offsets = seq_args(layout)
+    launch(gdn_bwd_dhu_kernel, (ceil_div(V, cfg.block_v), layout.num_seqs * HV),
+           q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu, offsets, T, scale,
+           HQ=HQ, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+           HAS_GK=gk_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
+           IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dh, dh0, dv2

@@ -1,0 +1,91 @@
+"""With the per-key gate gk: the chunk-local gate cumsums and the gated k (and q) that the state
+passes read (forward), and their backward, the reverse cumsum of the per-key gate terms."""
+import torch
+import triton
+import triton.language as tl
+
+from ....runtime.launch import launch
+from ..layout import ChunkLayout
+from .common import (
+    CHUNK, chunk_args, chunk_of_slot, chunk_program, last_row_of, load_tile, load_vec,
+    reverse_cumsum, store_tile, store_vec
+)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu_seqlens, T,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk-local cumulative sums of the scalar and per-key log decays (fp32), one program per
+    (chunk, value head); and k e^(C_last - C) (with STORE_Q_GATED also q e^C), C the per-key cumsum
+    alone, per value head in k's dtype: the state passes read them as bwd_dhu's public convention
+    has them, instead of gating [64, K] tiles inside their sequential chains."""
+    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    if HAS_G:
+        gt = load_vec(g, tok0, rows, HV, hv, n_valid).to(tl.float32)
+        store_vec(g_cum, tl.cumsum(gt, 0), tok0, rows, HV, hv, n_valid)
+    for k_start in range(0, K, BK):
+        cols = k_start + tl.arange(0, BK)
+        key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
+        store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
+        k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+        decay_to_end = tl.exp(last_row_of(key_cum, n_valid)[None, :] - key_cum)
+        store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
+        if STORE_Q_GATED:
+            q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+            store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
+                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With gk: the per-key gate terms dB, reverse-cumsummed within the chunk, are dgk; their sum
+    over keys, reverse-cumsummed, is dg. BK covers all of K (a loop-carried row sum here trips
+    Triton 3.6's thread-locality pass on Hopper)."""
+    slot = tl.program_id(0)
+    bhv = tl.program_id(1)
+    hv = bhv % HV
+    tok0, n_valid, _ = chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    cols = tl.arange(0, BK)
+    d = load_tile(db, tok0, rows, HV, hv, K, cols, n_valid)
+    store_tile(dgk, reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
+    if HAS_G:
+        store_vec(dg, reverse_cumsum(tl.sum(d, axis=1)), tok0, rows, HV, hv, n_valid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+def key_gate_cumsums(plan, layout: ChunkLayout, q, k, g, gk, store_q_gated: bool):
+    """With gk: the gate cumsums (g_cum None without g), and the gated k (and q) of the state
+    passes, per value head. -> (g_cum, gk_cum, k_gated, q_gated or None)."""
+    B, T, H, K = k.shape
+    HV = gk.shape[2]
+    dev = k.device
+    g_cum = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if g is not None else None
+    gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if store_q_gated else None
+    cfg = plan.launch("chunk_cumsum")
+    chunk_map, cu = chunk_args(layout)
+    launch(gdn_chunk_cumsum_kernel, (layout.num_slots, B * HV),
+           g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu, T,
+           H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
+           IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return g_cum, gk_cum, k_gated, q_gated
+
+
+def gate_gradients(plan, layout: ChunkLayout, db, dg):
+    """With gk: dgk from the per-key gate terms db, and (dg not None) dg, their sum over keys,
+    both reverse-cumsummed within each chunk. -> dgk."""
+    B, T, HV, K = db.shape
+    dgk = torch.empty(B, T, HV, K, device=db.device, dtype=torch.float32)
+    cfg = plan.launch("gate_grad")
+    chunk_map, cu = chunk_args(layout)
+    launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
+           db, dg, dgk, chunk_map, cu, T, HV=HV, K=K, BK=cfg.block_k, HAS_G=dg is not None,
+           IS_VARLEN=layout.is_varlen)
+    return dgk

@@ -1,0 +1,91 @@
+"""The forward's sequential pass: the states h[c] at each chunk start and v_new = u - w h[c],
+chunk after chunk (also run again by the backward, which keeps no per-chunk state)."""
+import torch
+import triton
+import triton.language as tl
+
+from ....runtime.config import ceil_div
+from ....runtime.launch import launch
+from ..layout import ChunkLayout
+from .common import (
+    CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
+    sequence_program, state_ptrs, store_tile
+)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk_offsets, T,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
+                     STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One program per (V tile, sequence, head): the states h[c] at each chunk start and
+    v_new = u - w h[c], chunk after chunk. BK covers all of K.
+    With WU_FROM_T (scalar gate or none) w and u are not read: from the chunk's T,
+        v_new = T diag(beta) (v - diag(e^g) k h[c])
+    (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
+    reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
+    dependent product to every chunk's chain: it pays where the GPU is full, not where few
+    programs run (gdn_config.states_from_inverse).
+    With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
+    head (gdn_chunk_cumsum_kernel writes it), with H = HV."""
+    seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
+        cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    state = initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
+    for c in range(0, tl.cdiv(seq_len, CHUNK)):
+        tok0 = bos + c * CHUNK
+        n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
+        ptrs, mask = state_ptrs(h, chunk0 + c, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state.to(h.dtype.element_ty), mask=mask)
+        kt = load_tile(k, tok0, rows, H, head, K, krows, n_valid)
+        if HAS_G:
+            bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+        if WU_FROM_T:
+            tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
+            kh = tl.dot(kt, state.to(kt.dtype))
+            if HAS_G:
+                kh = kh * tl.exp(bt)[:, None]
+            vt = load_tile(v, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32)
+            vn = tl.dot(tmat.to(kt.dtype), ((vt - kh) * beta_t[:, None]).to(kt.dtype))
+        else:
+            wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+            vn = load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
+        store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
+        if HAS_G:
+            b_last = load_last(g_cum, tok0, HV, hv, n_valid)
+            vn = vn * tl.exp(b_last - bt)[:, None]
+            state = state * tl.exp(b_last)
+        if HAS_GK:  # k comes gated (k e^(C_last - C), per value head): only the state decays here
+            c_last = load_last_row(gk_cum, tok0 + n_valid - 1, HV, hv, K, krows)
+            state = state * tl.exp(c_last)[:, None]
+        state += tl.dot(tl.trans(kt), vn.to(kt.dtype))
+    if STORE_HT:
+        ptrs, mask = state_ptrs(ht, seq, hv, HV, K, V, krows, vcols)
+        tl.store(ptrs, state, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool):
+    """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
+    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None)."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    from_inverse = w is None
+    if not from_inverse:
+        ai = beta = None  # not read
+    h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
+    v_new = torch.empty_like(v)
+    final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
+    cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
+    cu, offsets = seq_args(layout)
+    launch(gdn_fwd_h_kernel, (ceil_div(V, cfg.block_v), layout.num_seqs * HV),
+           k, w, u, v, beta, ai, g_cum, gk_cum, initial_state, h, v_new, final,
+           cu, offsets, T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v,
+           HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=initial_state is not None,
+           STORE_HT=store_final, WU_FROM_T=from_inverse, IS_VARLEN=layout.is_varlen,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h, v_new, final

@@ -1,0 +1,306 @@
+"""The WY representation: per chunk A = StrictTril(diag(beta) (K K^T . Gamma)), T = (I + A)^-1 in
+16-row blocks (stored), w = T diag(beta e^B) K and u = T diag(beta) V; and the recompute of w,
+u from a stored T (the split forward, and the backward)."""
+import torch
+import triton
+import triton.language as tl
+
+from ....runtime.launch import launch
+from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
+from .common import (
+    CHUNK, SUB, chunk_args, chunk_inverse, chunk_program, load_square_block, load_tile, load_vec,
+    scalar_gamma, square_ptrs, store_tile, store_vec
+)
+
+
+@triton.jit
+def _dot32(a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _inv_unit_lower(a, PRECISION: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular 16x16 a: with m = -a nilpotent (m^16 = 0),
+    (I + m)(I + m^2)(I + m^4)(I + m^8) = sum of m^n for n < 16."""
+    idx = tl.arange(0, SUB)
+    m = -a
+    p = (idx[:, None] == idx[None, :]).to(tl.float32) + m
+    m2 = _dot32(m, m, PRECISION)
+    p = p + _dot32(p, m2, PRECISION)
+    m4 = _dot32(m2, m2, PRECISION)
+    p = p + _dot32(p, m4, PRECISION)
+    m8 = _dot32(m4, m4, PRECISION)
+    p = p + _dot32(p, m8, PRECISION)
+    return p
+
+
+@triton.jit
+def _cum_blocks(x0, x1, x2, x3):
+    """Cumulative sums down a 64-row chunk held as four 16-row blocks (vectors or tiles)."""
+    c0 = tl.cumsum(x0, 0)
+    t0 = tl.sum(x0, 0)
+    c1 = tl.cumsum(x1, 0) + t0
+    t1 = t0 + tl.sum(x1, 0)
+    c2 = tl.cumsum(x2, 0) + t1
+    t2 = t1 + tl.sum(x2, 0)
+    c3 = tl.cumsum(x3, 0) + t2
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_square_block(base, value, tok0, I: tl.constexpr, J: tl.constexpr, HV: tl.constexpr, hv,
+                        n_valid):
+    sub = tl.arange(0, SUB)
+    ptrs, mask = square_ptrs(base, tok0, sub + I * SUB, HV, hv, sub + J * SUB, n_valid)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
+                        m00, m10, m11, m20, m21, m22, m30, m31, m32, m33):
+    """A lower block-triangular 64x64 matrix given by its 10 blocks; the upper blocks are zeros."""
+    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
+    _store_square_block(base, m00, tok0, 0, 0, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 1, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 0, 3, HV, hv, n_valid)
+    _store_square_block(base, m10, tok0, 1, 0, HV, hv, n_valid)
+    _store_square_block(base, m11, tok0, 1, 1, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 1, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 1, 3, HV, hv, n_valid)
+    _store_square_block(base, m20, tok0, 2, 0, HV, hv, n_valid)
+    _store_square_block(base, m21, tok0, 2, 1, HV, hv, n_valid)
+    _store_square_block(base, m22, tok0, 2, 2, HV, hv, n_valid)
+    _store_square_block(base, zero, tok0, 2, 3, HV, hv, n_valid)
+    _store_square_block(base, m30, tok0, 3, 0, HV, hv, n_valid)
+    _store_square_block(base, m31, tok0, 3, 1, HV, hv, n_valid)
+    _store_square_block(base, m32, tok0, 3, 2, HV, hv, n_valid)
+    _store_square_block(base, m33, tok0, 3, 3, HV, hv, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu_seqlens, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr,
+                       HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       STORE_WU: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
+    """Per chunk: the scalar gate's cumsums, T = (I + A)^-1 (stored) and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
+    gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
+    INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
+    With gk the gate cumsums and the gated key products A_raw (in `ai`) come from
+    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel: phase 1 only loads them."""
+    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    sub = tl.arange(0, SUB)
+    r0, r1, r2, r3 = sub, sub + SUB, sub + 2 * SUB, sub + 3 * SUB
+    beta0 = load_vec(beta, tok0, r0, HV, hv, n_valid)
+    beta1 = load_vec(beta, tok0, r1, HV, hv, n_valid)
+    beta2 = load_vec(beta, tok0, r2, HV, hv, n_valid)
+    beta3 = load_vec(beta, tok0, r3, HV, hv, n_valid)
+    if HAS_G and HAS_GK:
+        b0 = load_vec(g_cum, tok0, r0, HV, hv, n_valid)
+        b1 = load_vec(g_cum, tok0, r1, HV, hv, n_valid)
+        b2 = load_vec(g_cum, tok0, r2, HV, hv, n_valid)
+        b3 = load_vec(g_cum, tok0, r3, HV, hv, n_valid)
+    elif HAS_G:
+        b0, b1, b2, b3 = _cum_blocks(load_vec(g, tok0, r0, HV, hv, n_valid),
+                                     load_vec(g, tok0, r1, HV, hv, n_valid),
+                                     load_vec(g, tok0, r2, HV, hv, n_valid),
+                                     load_vec(g, tok0, r3, HV, hv, n_valid))
+        store_vec(g_cum, b0, tok0, r0, HV, hv, n_valid)
+        store_vec(g_cum, b1, tok0, r1, HV, hv, n_valid)
+        store_vec(g_cum, b2, tok0, r2, HV, hv, n_valid)
+        store_vec(g_cum, b3, tok0, r3, HV, hv, n_valid)
+    else:
+        b0 = tl.zeros([SUB], dtype=tl.float32)
+        b1, b2, b3 = b0, b0, b0
+
+    # Phase 1: the pairwise key products of the 10 lower blocks (read back with gk).
+    if HAS_GK:
+        a00 = load_square_block(ai, tok0, 0, 0, HV, hv, n_valid)
+        a10 = load_square_block(ai, tok0, 1, 0, HV, hv, n_valid)
+        a11 = load_square_block(ai, tok0, 1, 1, HV, hv, n_valid)
+        a20 = load_square_block(ai, tok0, 2, 0, HV, hv, n_valid)
+        a21 = load_square_block(ai, tok0, 2, 1, HV, hv, n_valid)
+        a22 = load_square_block(ai, tok0, 2, 2, HV, hv, n_valid)
+        a30 = load_square_block(ai, tok0, 3, 0, HV, hv, n_valid)
+        a31 = load_square_block(ai, tok0, 3, 1, HV, hv, n_valid)
+        a32 = load_square_block(ai, tok0, 3, 2, HV, hv, n_valid)
+        a33 = load_square_block(ai, tok0, 3, 3, HV, hv, n_valid)
+    else:
+        a00 = tl.zeros([SUB, SUB], dtype=tl.float32)
+        a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            k0 = load_tile(k, tok0, r0, H, head, K, cols, n_valid)
+            k1 = load_tile(k, tok0, r1, H, head, K, cols, n_valid)
+            k2 = load_tile(k, tok0, r2, H, head, K, cols, n_valid)
+            k3 = load_tile(k, tok0, r3, H, head, K, cols, n_valid)
+            a00 += tl.dot(k0, tl.trans(k0))
+            a10 += tl.dot(k1, tl.trans(k0))
+            a11 += tl.dot(k1, tl.trans(k1))
+            a20 += tl.dot(k2, tl.trans(k0))
+            a21 += tl.dot(k2, tl.trans(k1))
+            a22 += tl.dot(k2, tl.trans(k2))
+            a30 += tl.dot(k3, tl.trans(k0))
+            a31 += tl.dot(k3, tl.trans(k1))
+            a32 += tl.dot(k3, tl.trans(k2))
+            a33 += tl.dot(k3, tl.trans(k3))
+
+    # Phase 2: A = diag(beta) (products . Gamma), strictly lower; T = (I + A)^-1 blockwise.
+    if HAS_G and not HAS_GK:
+        a00 = a00 * scalar_gamma(b0, b0, False)
+        a11 = a11 * scalar_gamma(b1, b1, False)
+        a22 = a22 * scalar_gamma(b2, b2, False)
+        a33 = a33 * scalar_gamma(b3, b3, False)
+        a10 = a10 * tl.exp(b1[:, None] - b0[None, :])
+        a20 = a20 * tl.exp(b2[:, None] - b0[None, :])
+        a21 = a21 * tl.exp(b2[:, None] - b1[None, :])
+        a30 = a30 * tl.exp(b3[:, None] - b0[None, :])
+        a31 = a31 * tl.exp(b3[:, None] - b1[None, :])
+        a32 = a32 * tl.exp(b3[:, None] - b2[None, :])
+    else:
+        strict = sub[:, None] > sub[None, :]
+        a00 = tl.where(strict, a00, 0.0)
+        a11 = tl.where(strict, a11, 0.0)
+        a22 = tl.where(strict, a22, 0.0)
+        a33 = tl.where(strict, a33, 0.0)
+    P: tl.constexpr = INVERSE_PRECISION
+    t00 = _inv_unit_lower(a00 * beta0[:, None], P)
+    t11 = _inv_unit_lower(a11 * beta1[:, None], P)
+    t22 = _inv_unit_lower(a22 * beta2[:, None], P)
+    t33 = _inv_unit_lower(a33 * beta3[:, None], P)
+    a10 = a10 * beta1[:, None]
+    a20 = a20 * beta2[:, None]
+    a21 = a21 * beta2[:, None]
+    a30 = a30 * beta3[:, None]
+    a31 = a31 * beta3[:, None]
+    a32 = a32 * beta3[:, None]
+    # Block forward substitution: T_IJ = -T_II sum_{J <= m < I} A_Im T_mJ.
+    t10 = -_dot32(t11, _dot32(a10, t00, P), P)
+    t21 = -_dot32(t22, _dot32(a21, t11, P), P)
+    t32 = -_dot32(t33, _dot32(a32, t22, P), P)
+    t20 = -_dot32(t22, _dot32(a20, t00, P) + _dot32(a21, t10, P), P)
+    t31 = -_dot32(t33, _dot32(a31, t11, P) + _dot32(a32, t21, P), P)
+    t30 = -_dot32(t33, _dot32(a30, t00, P) + _dot32(a31, t10, P) + _dot32(a32, t20, P), P)
+    _store_lower_blocks(ai, tok0, HV, hv, n_valid, t00, t10, t11, t20, t21, t22, t30, t31, t32, t33)
+
+    # Phase 3: w = T diag(beta e^B) K and u = T diag(beta) V.
+    if STORE_WU:
+        kdt = w.dtype.element_ty
+        s00, s10, s11, s20 = t00.to(kdt), t10.to(kdt), t11.to(kdt), t20.to(kdt)
+        s21, s22, s30, s31, s32, s33 = t21.to(kdt), t22.to(kdt), t30.to(kdt), t31.to(kdt), t32.to(kdt), t33.to(kdt)
+        for k_start in range(0, K, BK):
+            cols = k_start + tl.arange(0, BK)
+            if HAS_GK:
+                e0 = tl.exp(load_tile(gk_cum, tok0, r0, HV, hv, K, cols, n_valid) + b0[:, None])
+                e1 = tl.exp(load_tile(gk_cum, tok0, r1, HV, hv, K, cols, n_valid) + b1[:, None])
+                e2 = tl.exp(load_tile(gk_cum, tok0, r2, HV, hv, K, cols, n_valid) + b2[:, None])
+                e3 = tl.exp(load_tile(gk_cum, tok0, r3, HV, hv, K, cols, n_valid) + b3[:, None])
+            else:
+                e0, e1, e2, e3 = tl.exp(b0)[:, None], tl.exp(b1)[:, None], tl.exp(b2)[:, None], tl.exp(b3)[:, None]
+            kb0 = (load_tile(k, tok0, r0, H, head, K, cols, n_valid) * e0 * beta0[:, None]).to(kdt)
+            kb1 = (load_tile(k, tok0, r1, H, head, K, cols, n_valid) * e1 * beta1[:, None]).to(kdt)
+            kb2 = (load_tile(k, tok0, r2, H, head, K, cols, n_valid) * e2 * beta2[:, None]).to(kdt)
+            kb3 = (load_tile(k, tok0, r3, H, head, K, cols, n_valid) * e3 * beta3[:, None]).to(kdt)
+            store_tile(w, tl.dot(s00, kb0), tok0, r0, HV, hv, K, cols, n_valid)
+            store_tile(w, tl.dot(s10, kb0) + tl.dot(s11, kb1), tok0, r1, HV, hv, K, cols, n_valid)
+            store_tile(w, tl.dot(s20, kb0) + tl.dot(s21, kb1) + tl.dot(s22, kb2), tok0, r2, HV, hv, K, cols, n_valid)
+            store_tile(w, tl.dot(s30, kb0) + tl.dot(s31, kb1) + tl.dot(s32, kb2) + tl.dot(s33, kb3),
+                        tok0, r3, HV, hv, K, cols, n_valid)
+        vdt = u.dtype.element_ty
+        s00, s10, s11, s20 = t00.to(vdt), t10.to(vdt), t11.to(vdt), t20.to(vdt)
+        s21, s22, s30, s31, s32, s33 = t21.to(vdt), t22.to(vdt), t30.to(vdt), t31.to(vdt), t32.to(vdt), t33.to(vdt)
+        for v_start in range(0, V, BV):
+            cols = v_start + tl.arange(0, BV)
+            vb0 = (load_tile(v, tok0, r0, HV, hv, V, cols, n_valid) * beta0[:, None]).to(vdt)
+            vb1 = (load_tile(v, tok0, r1, HV, hv, V, cols, n_valid) * beta1[:, None]).to(vdt)
+            vb2 = (load_tile(v, tok0, r2, HV, hv, V, cols, n_valid) * beta2[:, None]).to(vdt)
+            vb3 = (load_tile(v, tok0, r3, HV, hv, V, cols, n_valid) * beta3[:, None]).to(vdt)
+            store_tile(u, tl.dot(s00, vb0), tok0, r0, HV, hv, V, cols, n_valid)
+            store_tile(u, tl.dot(s10, vb0) + tl.dot(s11, vb1), tok0, r1, HV, hv, V, cols, n_valid)
+            store_tile(u, tl.dot(s20, vb0) + tl.dot(s21, vb1) + tl.dot(s22, vb2), tok0, r2, HV, hv, V, cols, n_valid)
+            store_tile(u, tl.dot(s30, vb0) + tl.dot(s31, vb1) + tl.dot(s32, vb2) + tl.dot(s33, vb3),
+                        tok0, r3, HV, hv, V, cols, n_valid)
+
+
+@triton.jit
+def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_heads, dst_head,
+                         D: tl.constexpr, BD: tl.constexpr, tok0, rows, n_valid):
+    """dst = T diag(row_scale) src for one chunk, in [64, BD] tiles over the head dim D."""
+    dt = dst.dtype.element_ty
+    t_dt = tmat.to(dt)
+    for start in range(0, D, BD):
+        cols = start + tl.arange(0, BD)
+        x = load_tile(src, tok0, rows, src_heads, src_head, D, cols, n_valid) * row_scale[:, None]
+        store_tile(dst, tl.dot(t_dt, x.to(dt)), tok0, rows, dst_heads, dst_head, D, cols, n_valid)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr):
+    """The backward's w = T diag(beta e^g) K and (STORE_U) u = T diag(beta) V, from the T and gate
+    cumsums that the forward kept (scalar gate only): one 64-row product per tile instead of a
+    second prepare. Without u the state pass forms v_new from T itself."""
+    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
+    if HAS_G:
+        row_gate = tl.exp(load_vec(g_cum, tok0, rows, HV, hv, n_valid)) * beta_t
+    else:
+        row_gate = beta_t
+    _t_times_scaled_rows(tmat, row_gate, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid)
+    if STORE_U:
+        _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+def inverse_buffer(k, HV: int, has_gk: bool):
+    """The buffer of T = (I + A)^-1 per chunk ([B, T, HV, 64]; with gk the gated key products
+    arrive in it first). In the 16-bit input type: each use rounds T to that type anyway, and
+    its bytes are read up to four times; fp32 where the gated pair products pass through it (gk)
+    or the inputs are fp32."""
+    B, T = k.shape[:2]
+    dtype = torch.float32 if has_gk or k.dtype == torch.float32 else k.dtype
+    return torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=dtype)
+
+
+def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool):
+    """T = (I + A)^-1 per chunk into ai, the scalar gate's cumsums (unless g_cum is given: with
+    gk they come from key_gate_cumsums) and, with store_wu, w and u. -> (g_cum, w, u); w, u None
+    without store_wu."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    has_g, has_gk = g is not None, gk_cum is not None
+    if has_g and g_cum is None:
+        g_cum = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if store_wu else None
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if store_wu else None
+    cfg = plan.launch(plan.prepare_pass)
+    chunk_map, cu = chunk_args(layout)
+    launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
+           k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu, T,
+           H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
+           IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=plan.inverse_precision,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return g_cum, w, u
+
+
+def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool = True):
+    """w and (with_u) u from the forward's T and gate cumsums (scalar gate only); u None without."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if with_u else None
+    cfg = plan.launch("recompute_wu")
+    chunk_map, cu = chunk_args(layout)
+    launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
+           k, v, beta, g_cum, ai, w, u, chunk_map, cu, T,
+           H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+           IS_VARLEN=layout.is_varlen, STORE_U=with_u, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return w, u

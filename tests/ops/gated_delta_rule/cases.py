@@ -1,0 +1,198 @@
+"""Shared cases of the gated delta rule tests: realistic inputs, the op and the fp64 reference
+side by side, error bounds, and the shapes the tests run."""
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, ON_GPU
+from helpers import TOLERANCE, rel_err
+from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
+from flash_dma.ops.gated_delta_rule.reference import (bwd_dhu_reference, chunk_form_reference,
+                                                      gated_delta_rule_reference)
+
+# Error bounds as multiples of TOLERANCE[dtype] (relative norm error against fp64). The gate
+# gradients are sums over many terms that cancel, so they get a little more room. The fp16
+# interpreter run measured about 5e-4 for every output and gradient, fp32 about 3e-7.
+ERR_SCALE = {
+    torch.float16: {"o": 1.0, "final_state": 1.0, "grad": 1.0, "gate_grad": 1.5},
+    torch.bfloat16: {"o": 0.75, "final_state": 0.75, "grad": 1.0, "gate_grad": 1.5},
+    # fp32: the interpreter multiplies exactly; a GPU may use tf32 (checked at the fp16 bound)
+    torch.float32: {"o": 1.0, "final_state": 1.0, "grad": 2.0, "gate_grad": 4.0},
+}
+
+
+def bound(name: str, dtype: torch.dtype) -> float:
+    tol_dtype = torch.float16 if (dtype == torch.float32 and ON_GPU) else dtype
+    scales = ERR_SCALE[tol_dtype]
+    kind = name if name in ("o", "final_state") else ("gate_grad" if name in ("dg", "dgk") else "grad")
+    return TOLERANCE[tol_dtype] * scales[kind]
+
+
+def check_errors(pairs, dtype):
+    """pairs: {name: (got, want)}. Every error is measured before any is judged, so a failure
+    message lists them all."""
+    errors, failures = {}, []
+    for name, (got, want) in pairs.items():
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+        errors[name] = rel_err(got, want)
+        limit = bound(name, dtype)
+        if errors[name] > limit:
+            failures.append(f"{name} {errors[name]:.2e} > {limit:.1e}")
+    summary = ", ".join(f"{n}={e:.1e}" for n, e in errors.items())
+    assert not failures, f"relative errors over bound: {'; '.join(failures)} (all: {summary})"
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+def make_inputs(B, T, H, HV, K, V, dtype, gate="g", states=False, n_seqs=None, normalize_k=True,
+                shifts=(5.0, 5.0)):
+    """Realistic inputs: unit-norm keys, per-token decays exp(g) mostly in [0.95, 1) (about
+    exp(-0.7) over a chunk: the state carried across chunks matters), beta in (0, 1).
+    gate: "g", "gk", "g+gk" or "none"; g = logsigmoid(randn + shifts[0]), gk = logsigmoid(randn + shifts[1]).
+    Gates and states are fp32; beta is in q's dtype."""
+    gates = gate.split("+")
+    q = torch.randn(B, T, H, K, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=DEVICE, dtype=torch.float32)
+    k = (F.normalize(k, dim=-1) if normalize_k else k).to(dtype)
+    v = torch.randn(B, T, HV, V, device=DEVICE, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, device=DEVICE) + shifts[0]) if "g" in gates else None
+    gk = F.logsigmoid(torch.randn(B, T, HV, K, device=DEVICE) + shifts[1]) if "gk" in gates else None
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=DEVICE)).to(dtype)
+    n = B if n_seqs is None else n_seqs
+    h0 = torch.randn(n, HV, K, V, device=DEVICE) if states else None
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "gk": gk, "initial_state": h0}
+
+
+def cu_from_lengths(lengths, dtype=torch.int32):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=dtype, device=DEVICE)
+
+
+def run_op(inputs, leaves_wanted=True, **kwargs):
+    leaves = {n: t.clone().requires_grad_(leaves_wanted) for n, t in inputs.items() if t is not None}
+    o, final = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"),
+                                      leaves["beta"], initial_state=leaves.get("initial_state"),
+                                      gk=leaves.get("gk"), **kwargs)
+    return leaves, o, final
+
+
+def run_reference(inputs, use_qk_l2norm_in_kernel=False, **kwargs):
+    leaves = {n: t.detach().double().requires_grad_() for n, t in inputs.items() if t is not None}
+    o, final = gated_delta_rule_reference(leaves["q"], leaves["k"], leaves["v"], leaves.get("g"),
+                                          leaves["beta"], initial_state=leaves.get("initial_state"),
+                                          gk=leaves.get("gk"), use_qk_l2norm=use_qk_l2norm_in_kernel,
+                                          **kwargs)
+    return leaves, o, final
+
+
+def check_against_reference(inputs, dtype, output_final_state=True, **kwargs):
+    """Output, final state and the gradient of (o * do).sum() + (final_state * dht).sum() to every
+    input, against the fp64 reference. Returns (errors, op gradients)."""
+    leaves, o, final = run_op(inputs, output_final_state=output_final_state, **kwargs)
+    ref_leaves, ref_o, ref_final = run_reference(inputs, output_final_state=output_final_state,
+                                                 **kwargs)
+    q = inputs["q"]
+    assert o.dtype == q.dtype and o.shape == inputs["v"].shape
+    pairs = {"o": (o, ref_o)}
+    outputs, ref_outputs = [o], [ref_o]
+    do = torch.randn_like(o)
+    cotangents = [do]
+    if output_final_state:
+        assert final is not None and final.dtype == torch.float32
+        pairs["final_state"] = (final, ref_final)
+        outputs.append(final)
+        ref_outputs.append(ref_final)
+        cotangents.append(torch.randn_like(final))
+    else:
+        assert final is None
+    got = torch.autograd.grad(outputs, list(leaves.values()), cotangents)
+    want = torch.autograd.grad(ref_outputs, list(ref_leaves.values()),
+                               [c.double() for c in cotangents])
+    names = {"initial_state": "dh0"}
+    for name, g_got, g_want in zip(leaves, got, want):
+        assert g_got.dtype == inputs[name].dtype, f"d{name}: dtype {g_got.dtype} != {inputs[name].dtype}"
+        pairs[names.get(name, "d" + name)] = (g_got, g_want)
+    return check_errors(pairs, dtype), dict(zip(leaves, got))
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+
+SHAPES = {  # (B, T, H, HV, K, V, gate, states)
+    "odd-T": (2, 67, 2, 2, 32, 32, "g", True),
+    "shorter-than-chunk": (1, 5, 1, 1, 16, 32, "g", False),
+    "gva-K!=V": (1, 130, 1, 2, 32, 16, "g", True),
+    "gk-only": (2, 70, 2, 2, 16, 16, "gk", True),
+    "g+gk-gva": (1, 100, 1, 2, 32, 32, "g+gk", True),
+    # head dims of whole 64-wide tiles: the backward recomputes w, u from the forward's T
+    "K64-kept-T": (1, 70, 1, 1, 64, 64, "g", False),
+    "K64-kept-T-gva": (1, 70, 1, 2, 64, 128, "g", True),
+    "K64-kept-T-no-gate": (2, 67, 1, 1, 64, 64, "none", True),
+}
+
+
+GPU_SHAPES = {  # (B, T, H, HV, K, V, gate, states)
+    "h4-128": (2, 4096, 4, 4, 128, 128, "g", True),
+    "h16-128": (1, 4096, 16, 16, 128, 128, "g", False),
+    "gva-kda-128": (2, 4096, 4, 8, 128, 128, "g+gk", True),
+    "gk-K64-V128": (1, 4096, 4, 4, 64, 128, "gk", True),
+    "K256-V256": (2, 2048, 2, 2, 256, 256, "g", True),
+    "K48-V32": (1, 1000, 2, 2, 48, 32, "g", True),
+    "gva-128": (1, 4096, 4, 8, 128, 128, "g", True),
+    "no-gate-gva-K64-V128": (2, 2048, 2, 4, 64, 128, "none", True),
+}
+
+
+MODES = {  # mode: (gates, states)
+    "A": ("", False),
+    "B": ("", True),
+    "C": ("g", False),
+    "D": ("gk", False),
+    "E": ("g+gk", False),
+    "E+states": ("g+gk", True),  # not a benchmark mode: every input at once
+}
+
+
+def dhu_inputs(B, T, H, HV, K, V, dtype, mode, cu=None):
+    """Realistic inputs of the state-gradient pass: w, the gated q/k and the chunk-local gates
+    come from the fp64 chunk form of a forward pass (so the state gradient stays bounded over many
+    chunks); do and dv are random. With gk, q and k are passed gated (HV heads)."""
+    gates, states = MODES[mode]
+    gates = gates.split("+")
+    n = B if cu is None else len(cu) - 1
+    x = make_inputs(B, T, H, HV, K, V, torch.float64,
+                    "+".join(gt for gt in gates if gt) or "g", False)
+    if "g" not in gates:
+        x["g"] = None
+    with torch.no_grad():
+        cf = chunk_form_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
+                                  gk=x["gk"])
+    gated = "gk" in gates
+    out = {
+        "q": (cf["q_gated"] if gated else x["q"]).to(dtype),
+        "k": (cf["k_gated"] if gated else x["k"]).to(dtype),
+        "w": cf["w"].to(dtype),
+        "do": torch.randn(B, T, HV, V, device=DEVICE, dtype=dtype),
+        "dv": torch.randn(B, T, HV, V, device=DEVICE, dtype=dtype),
+        "g": cf["g_cum"].float() if "g" in gates else None,
+        "gk": cf["gk_cum"].float() if gated else None,
+        "h0": torch.randn(n, HV, K, V, device=DEVICE) if states else None,
+        "dht": torch.randn(n, HV, K, V, device=DEVICE) if states else None,
+    }
+    return out
+
+
+def check_dhu(x, dtype, scale, cu=None):
+    args = (x["q"], x["k"], x["w"], x["do"], x["dv"])
+    kw = dict(g=x["g"], gk=x["gk"], h0=x["h0"], dht=x["dht"], scale=scale, cu_seqlens=cu)
+    dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(*args, **kw)
+    ref_scale = x["q"].shape[-1] ** -0.5 if scale is None else scale
+    ref_dh, ref_dh0, ref_dv2 = bwd_dhu_reference(*args, **{**kw, "scale": ref_scale})
+    assert dh.dtype == x["q"].dtype and dv2.dtype == x["dv"].dtype
+    pairs = {"dh": (dh, ref_dh), "dv2": (dv2, ref_dv2)}
+    if x["h0"] is None:
+        assert dh0 is None
+    else:
+        assert dh0.dtype == torch.float32
+        pairs["dh0"] = (dh0, ref_dh0)
+    return check_errors(pairs, dtype)
