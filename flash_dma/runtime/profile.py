@@ -57,3 +57,17 @@ def log_choice(op: str, pass_name: str, backend: str, info: DeviceInfo, shape: t
 def active() -> bool:
     """Whether choices are being logged: callers skip building the shape fields when not."""
     return _ENABLED
+
+
+_FALLBACKS_SEEN: set = set()
+
+
+def log_fallback(op: str, wanted: str, ran: str, reason: str) -> None:
+    """A call that runs slower than it could (a backend or path asked for or expected could not
+    serve it) says so once per reason, through the "flash_dma" logger at WARNING, whether or not
+    FLASH_DMA_PROFILE is set: a run is never silently slower."""
+    key = (op, wanted, ran, reason)
+    if key in _FALLBACKS_SEEN:
+        return
+    _FALLBACKS_SEEN.add(key)
+    LOGGER.warning(f"op={op}: {wanted} could not run this call, {ran} runs it instead: {reason}")

@@ -7,11 +7,12 @@ import torch
 from ...runtime.autograd import first_order_only
 from ...runtime.hardware import device_guard
 from . import triton as triton_backend
+from .cute import backend as cute_backend
 from .plan import AttentionProblem, plan_backward, plan_forward
 
 # The dispatch point: a plan's backend name -> the module with its forward(plan, ...) and
-# backward(plan, ...). A CuTe backend (ops/dynamic_mask_attention/cute/) registers here.
-BACKENDS = {"triton": triton_backend}
+# backward(plan, ...).
+BACKENDS = {"triton": triton_backend, "cute": cute_backend}
 
 
 class DynamicMaskAttentionFunction(torch.autograd.Function):

@@ -8,7 +8,8 @@ each pass walks the keys, where dq comes from, and how dbias is reduced. The bac
 
 Strategy choices are declared below (runtime.config.declare_choice); tests and benchmarks change
 them only through runtime.config.overrides(...), never through module globals:
-    attention_backend               "triton" (a CuTe backend will sit in cute/ beside triton/)
+    attention_backend               "auto", "triton" or "cute" (FLASH_DMA_BACKEND when not
+                                    overridden; cute/select.py decides what "auto" runs)
     attention_dq_strategy           "fused", "atomic" or "kernel"
     attention_all_tiles_list_walk   True or False
     attention_dbias_by_descriptor   True or False
@@ -25,14 +26,17 @@ import torch
 
 from ...runtime import profile, tma
 from ...runtime.config import Chosen, LaunchConfig, ceil_div, choice, config_name, declare_choice, \
-    head_dim_block
+    head_dim_block, overridden
 from ...runtime.hardware import device_info
 from . import sparsity
+from .cute.select import BACKEND_CHOICES, choose_backend, requested_backend
 from .launch_table import select_config
 from .triton.host import DESCRIPTOR_MAX_HEAD_DIM, before_hopper, pair_tile_strides
 
-declare_choice("attention_backend", "triton", ("triton",),
-               "which backend runs dynamic mask attention (a CuTe backend will join it)")
+declare_choice("attention_backend", "auto", BACKEND_CHOICES,
+               "which backend runs dynamic mask attention: 'auto' (CuTe where it serves the call "
+               "on SM90 with the hopper extra, else Triton), 'triton' or 'cute'; unset, "
+               "FLASH_DMA_BACKEND decides")
 declare_choice("attention_dq_strategy", "fused", ("fused", "atomic", "kernel"),
                "where dq comes from when dS is not stored: the key-major kernel adds dS k into an "
                "fp32 accumulator (TMA bulk reductions where the GPU has them: 'fused'; element "
@@ -190,8 +194,34 @@ def _forward_variant(q: torch.Tensor, mask, bias) -> str:
     return "plain" if mask is not None else "plain-dense"
 
 
-def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan:
-    backend = choice("attention_backend")
+@dataclass(frozen=True, eq=False)
+class CutePlan:
+    """A call the CuTe backend runs (cute/backend.py): it takes its launch choices itself."""
+    backend: Chosen
+    problem: AttentionProblem
+    deterministic: bool = False
+
+
+def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
+    forced = overridden("attention_backend")
+    requested = forced if forced is not None else requested_backend()
+    name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
+                                  q.dtype, pb.is_varlen, requested)
+    if name != "cute" and requested == "cute":
+        profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
+    return Chosen(name, ("override, " if forced is not None else "") + reason)
+
+
+def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
+    backend = _backend(pb, q, mask, bias)
+    if backend.value == "cute":
+        if profile.active():
+            profile.log_choice("attention", "fwd", "cute", device_info(q.device),
+                               (("D", pb.head_dim), ("Sq", pb.seqlen_q), ("Sk", pb.seqlen_k),
+                                ("B", pb.batch), ("H", pb.num_heads), ("Hk", pb.num_kv_heads),
+                                ("varlen", pb.is_varlen), ("causal", pb.is_causal)),
+                               "fa4-plain", backend.source)
+        return CutePlan(backend, pb)
     kv_mode = sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads)
     variant = _forward_variant(q, mask, bias)
     cfg = select_config("attn_fwd", q.device, pb.head_dim, q.dtype, variant)
@@ -261,8 +291,10 @@ def _plan_dbias(pb: AttentionProblem, bias: torch.Tensor, n_key_programs: int, k
     return DbiasPlan("slots", False, n_b * n_h * n_n, (slot_b, slot_h, slot_n), False)
 
 
-def plan_backward(fwd: ForwardPlan, q: torch.Tensor, mask, bias, want_dbias: bool,
-                  deterministic: bool) -> BackwardPlan:
+def plan_backward(fwd: ForwardPlan | CutePlan, q: torch.Tensor, mask, bias, want_dbias: bool,
+                  deterministic: bool) -> BackwardPlan | CutePlan:
+    if isinstance(fwd, CutePlan):
+        return CutePlan(fwd.backend, fwd.problem, deterministic)
     pb, kv_mode = fwd.problem, fwd.kv_mode
     dq_strategy = _dq_strategy(pb, q, bias, want_dbias, kv_mode, deterministic)
     fused = dq_strategy.value == "fused"
@@ -367,6 +399,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     fwd = plan_forward(pb, q, mask, bias)
     bwd = plan_backward(fwd, q, mask, bias, bias is not None, False)
     lines = [f"backend {fwd.backend.value} ({fwd.backend.source})"]
+    if isinstance(fwd, CutePlan):
+        return lines + ["forward and backward: FlashAttention-4's SM90 kernels (plain attention)"]
     for p in (fwd.forward, bwd.dkdv, bwd.dq):
         if p is not None:
             lines.append(f"{p.kernel}: {config_name(p.cfg)} ({p.config.source}; variant "

@@ -233,3 +233,25 @@ def test_real_status_without_a_gpu(clear_status_caches):
     availability._cuda_status.cache_clear()
     for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
         assert "torch sees none" in availability.cute_backend_status(device)
+
+
+def test_the_attention_call_honours_the_backend_choice(monkeypatch):
+    """Wired through the plan: forcing cute where it cannot run raises with the install hint;
+    triton and auto run the call on Triton where CuTe cannot (here: no GPU, or the interpreter)."""
+    import flash_dma
+    from flash_dma.runtime import config
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path: the GPU tests cover the CuTe backend itself")
+    q, k, v = torch.randn(3, 1, 16, 2, 32, dtype=torch.float16)
+    ref = flash_dma.flash_dma_func(q, k, v)
+    with config.overrides(attention_backend="triton"):
+        assert torch.equal(flash_dma.flash_dma_func(q, k, v), ref)
+    with config.overrides(attention_backend="cute"), pytest.raises(CuteBackendUnavailable) as info:
+        flash_dma.flash_dma_func(q, k, v)
+    assert availability.INSTALL_HINT in str(info.value)
+    monkeypatch.setenv(BACKEND_ENV, "cute")
+    with pytest.raises(CuteBackendUnavailable):
+        flash_dma.flash_dma_func(q, k, v)
+    monkeypatch.setenv(BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        flash_dma.flash_dma_func(q, k, v)
