@@ -9,8 +9,8 @@ In Triton's CPU interpreter small tiles are used so that small test shapes still
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import threading
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
@@ -54,7 +54,10 @@ class Chosen:
 # Overrides: the one way tests and benchmarks change a choice (never module globals)
 # ------------------------------------------------------------------------------------------------
 _DECLARED: dict[str, tuple[Any, tuple, str]] = {}
-_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("flash_dma_overrides", default={})
+# Process-wide, not a ContextVar: autograd runs a CUDA backward on its own worker threads, which
+# would not see a context variable set by the caller, so backward plans would ignore overrides.
+_OVERRIDES: list[dict] = [{}]
+_OVERRIDES_LOCK = threading.Lock()
 
 
 def declare_choice(name: str, default: Any, allowed: Iterable[Any], doc: str) -> None:
@@ -81,22 +84,25 @@ def overrides(**choices):
         allowed = _DECLARED[name][1]
         if allowed and value not in allowed:
             raise ValueError(f"overrides: {name} must be one of {allowed}, got {value!r}")
-    token = _OVERRIDES.set({**_OVERRIDES.get(), **choices})
+    with _OVERRIDES_LOCK:
+        _OVERRIDES.append({**_OVERRIDES[-1], **choices})
+        mine = _OVERRIDES[-1]
     try:
         yield
     finally:
-        _OVERRIDES.reset(token)
+        with _OVERRIDES_LOCK:
+            del _OVERRIDES[next(i for i, d in enumerate(_OVERRIDES) if d is mine)]
 
 
 def overridden(name: str) -> Any | None:
     """The override in force for a choice or a kernel's launch configuration, else None."""
-    return _OVERRIDES.get().get(name)
+    return _OVERRIDES[-1].get(name)
 
 
 def active_overrides() -> dict:
     """Every override in force (empty outside `overrides`): ops that memoise their plans build
     them afresh while it is not empty."""
-    return _OVERRIDES.get()
+    return _OVERRIDES[-1]
 
 
 def choice(name: str) -> Chosen:

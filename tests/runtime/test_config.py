@@ -49,3 +49,17 @@ def test_overrides_refuse_unknown_choices_and_values():
             assert config.choice("attention_dq_strategy").value == "kernel"  # nested: kept
             assert config.choice("attention_all_tiles_list_walk") == config.Chosen(False, "override")
     assert config.choice("attention_dq_strategy").source == "table"
+
+
+def test_overrides_reach_other_threads():
+    """Autograd runs a CUDA backward on its own worker thread: an override set by the caller
+    must be seen there too, or backward plans silently ignore it."""
+    import threading
+    from flash_dma.runtime import config
+    seen = []
+    with config.overrides(attention_dq_strategy="kernel"):
+        worker = threading.Thread(target=lambda: seen.append(config.overridden("attention_dq_strategy")))
+        worker.start()
+        worker.join()
+    assert seen == ["kernel"]
+    assert config.overridden("attention_dq_strategy") is None
