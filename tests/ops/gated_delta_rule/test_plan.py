@@ -111,6 +111,10 @@ def test_profile_log_names_each_pass_once(monkeypatch, caplog):
     assert len(passes) == len(set(passes)), lines  # once per shape class, not per call
     assert {"prepare", "fwd_h", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy"} <= set(passes), passes
     line = next(line for line in lines if "pass=bwd_dhu" in line)
-    for field in ("op=gated_delta_rule", "backend=triton", "B=1", "T=40", "H=1", "HV=1", "K=16", "V=16",
-                  "varlen=False", "gates=g", "choice=BK16_BV16_W1_S1", "source=interpreter"):
+    # on a GPU, V is padded to the kernels' smallest tile and the choice comes from the table
+    on_cpu = inputs["q"].device.type == "cpu"
+    expected = ("op=gated_delta_rule", "backend=triton", "B=1", "T=40", "H=1", "HV=1", "K=16",
+                "varlen=False", "gates=g")
+    expected += ("V=16", "choice=BK16_BV16_W1_S1", "source=interpreter") if on_cpu else ("choice=BK",)
+    for field in expected:
         assert field in line, line
