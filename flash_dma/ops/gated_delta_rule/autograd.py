@@ -117,6 +117,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         plan = plan_call(q, v, g is not None, gk is not None, layout)
         o, final, g_cum, ai = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
                                       output_final_state)
+        layout.zero_rows_outside(o)
         ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
@@ -129,6 +130,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         with device_guard(q.device):
             dq, dk, dv, dg, dgk, dbeta, dh0 = backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
                                                        initial_state, do, dht, g_cum, ai)
+            ctx.layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
         return first_order_only("chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None),
                                 (q, k, v, g, gk, beta, initial_state))

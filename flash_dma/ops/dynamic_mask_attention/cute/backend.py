@@ -3,6 +3,8 @@
 attention through plain.py; plan.py sends nothing else here."""
 from __future__ import annotations
 
+import torch
+
 from . import plain
 
 
@@ -13,10 +15,21 @@ def _varlen_args(pb) -> dict:
             "max_seqlen_q": pb.seqlen_q, "max_seqlen_k": pb.seqlen_k}
 
 
+def _zero_rows_outside(cu, *tensors):
+    """Varlen rows past the last offset belong to no sequence and no kernel writes them: 0, as
+    the Triton backend gives."""
+    for t in tensors:
+        outside = torch.arange(t.shape[0], device=t.device) >= cu[-1]
+        t.masked_fill_(outside.view((-1,) + (1,) * (t.dim() - 1)), 0)
+
+
 def forward(plan, q, k, v, mask, bias):
     pb = plan.problem
-    return plain.forward(q, k, v, causal=pb.is_causal, softmax_scale=pb.softmax_scale,
-                         **_varlen_args(pb))
+    out, lse = plain.forward(q, k, v, causal=pb.is_causal, softmax_scale=pb.softmax_scale,
+                             **_varlen_args(pb))
+    if pb.is_varlen:
+        _zero_rows_outside(pb.cu_q, out)
+    return out, lse
 
 
 def backward(plan, q, k, v, out, lse, dout, mask, bias):
@@ -24,4 +37,7 @@ def backward(plan, q, k, v, out, lse, dout, mask, bias):
     dq, dk, dv = plain.backward(dout, q, k, v, out, lse, causal=pb.is_causal,
                                 softmax_scale=pb.softmax_scale, deterministic=plan.deterministic,
                                 **_varlen_args(pb))
+    if pb.is_varlen:
+        _zero_rows_outside(pb.cu_q, dq)
+        _zero_rows_outside(pb.cu_k, dk, dv)
     return dq, dk, dv, None

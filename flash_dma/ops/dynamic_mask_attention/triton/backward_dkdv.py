@@ -315,8 +315,9 @@ def dkdv(plan, q, k, v, dout, lse, delta, mask, bias, dq_acc):
     pb, cfg, dbp = plan.problem, plan.dkdv.cfg, plan.dbias
     absent = lse  # stands in for absent tensors: pointer arguments the kernel never reads
     walk = plan.dkdv.key_walk(mask, q.device)
-    # gathered-away keys get no program's store: they must read 0
-    alloc = torch.zeros if plan.kv_mode == sparsity.KV_GATHERED else torch.empty
+    # gathered-away keys get no program's store, nor do varlen rows past the last offset: they
+    # must read 0
+    alloc = torch.zeros if plan.kv_mode == sparsity.KV_GATHERED or pb.is_varlen else torch.empty
     dk = alloc(k.shape, device=k.device, dtype=k.dtype)
     dv = alloc(v.shape, device=v.device, dtype=v.dtype)
     db_buf = dbp.allocate(bias) if dbp is not None else None

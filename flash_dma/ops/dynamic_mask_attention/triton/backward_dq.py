@@ -105,7 +105,7 @@ def dq_kernel(plan, q, k, v, dout, lse, delta, mask, bias):
     pb, cfg = plan.problem, plan.dq.cfg
     walk = plan.dq.key_walk(mask, q.device)
     absent = lse  # stands in for absent tensors: pointer arguments the kernel never reads
-    dq = torch.empty_like(q)
+    dq = torch.zeros_like(q) if pb.is_varlen else torch.empty_like(q)  # (rows past the last offset)
     k_desc, v_desc = kv_descriptors(pb, k, v, cfg)
     b_desc = bias_descriptor(bias, cfg, pb.block_d)
     grid = (grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)

@@ -2,6 +2,8 @@
 tile of one (batch or sequence, head); the key walk is common.walk_keys_query_major."""
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -90,6 +92,9 @@ def forward(plan, q, k, v, mask, bias):
     walk = plan.forward.key_walk(mask, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(pb.stat_shape(q.shape[0]), device=q.device, dtype=torch.float32)
+    if pb.is_varlen:  # rows past the last offset belong to no sequence: they see no key
+        out.zero_()
+        lse.fill_(math.inf)
     absent = lse  # stands in for absent tensors: pointer arguments the kernel never reads
     grid = (grid_blocks(pb.seqlen_q, cfg.block_m), pb.batch * pb.num_heads)
     k_desc, v_desc = kv_descriptors(pb, k, v, cfg)
