@@ -74,7 +74,8 @@ def test_generation_state_matches_full_forward():
     state = layer.init_state()
     parts = [layer(x[:, :7], past_key_values=state), layer(x[:, 7:8], past_key_values=state),
              layer(x[:, 8:], past_key_values=state)]  # a prompt, one token, two tokens
-    assert_close("stepwise", torch.cat(parts, 1), full, torch.float32)
+    # on the GPU fp32 products run as tf32 (Triton's default), here exactly
+    assert_close("stepwise", torch.cat(parts, 1), full, torch.float32, scale=1 if DEVICE == "cpu" else 20)
     assert state.tokens_seen == 10
 
 
