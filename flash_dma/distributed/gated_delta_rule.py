@@ -111,6 +111,8 @@ class _Call:
     start_index: torch.Tensor | None  # long [n]: row of cat(starts, final) for joined rows, else 0
     final_rows: torch.Tensor | None  # long: pieces whose end state is their sequence's final state
     final_seqs: torch.Tensor | None  # long: ... and those sequences
+    has_identity: bool  # host copies of identity_rows.any(), joined_rows.any()
+    has_joined: bool
 
 
 @dataclass
@@ -154,7 +156,8 @@ def _make_call(pieces, device, identity=None, joined=None, start_index=None) -> 
         None if identity is None else torch.tensor([p in identity for p in pieces], dtype=torch.bool, device=device),
         None if joined is None else torch.tensor([p in joined for p in pieces], dtype=torch.bool, device=device),
         None if start_index is None else torch.tensor([start_index.get(p, 0) for p in pieces], **long),
-        torch.tensor(final_rows, **long), torch.tensor([pieces[i].seq for i in final_rows], **long))
+        torch.tensor(final_rows, **long), torch.tensor([pieces[i].seq for i in final_rows], **long),
+        bool(identity) and any(p in identity for p in pieces), bool(joined) and any(p in joined for p in pieces))
 
 
 def _plan(ctx: CPContext) -> _DeltaRulePlan:
@@ -295,7 +298,7 @@ def cp_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan.pre is not None:
         call = plan.pre
         v_pre, init = _take(v, call), user_initial(call)
-        has_identity = bool(plan.any_transition and any(not p.starts_sequence for p in call.pieces))
+        has_identity = call.has_identity
         if has_identity and wide:
             # [v | 0] from [h0 | 0] or [0 | I]: end states [N | M] in one call
             v_pre = torch.cat([v_pre, v_pre.new_zeros(v_pre.shape[:3] + (K,))], -1)
@@ -309,15 +312,13 @@ def cp_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o_pre, end_pre = run(call, v_pre, init, True)
         outputs[0], ends[0] = o_pre[..., :V], end_pre[..., :V]
         send = end_pre
-        if plan.any_transition and not wide:
-            send = end_pre if end_pre.shape[-1] == V + K else torch.cat(
-                [end_pre, torch.zeros(end_pre.shape[:3] + (K,), device=dev)], -1)
-            if has_identity:  # M from its own call: values of width K zero, from the identity
-                ident = call.identity_rows
-                eye = torch.eye(K, device=dev).expand(len(call.pieces), HV, K, K)
-                _, m = run(call, v_pre.new_zeros(v_pre.shape[:3] + (K,)), eye.contiguous(), True)
-                m = torch.where(ident[:, None, None, None], m, torch.zeros_like(m))
-                send = torch.cat([end_pre, m], -1)
+        if has_identity and not wide:
+            # M from a call of its own: values of width K zero, from the identity (the pieces
+            # that started here need no M: theirs is dropped)
+            eye = torch.eye(K, device=dev).expand(len(call.pieces), HV, K, K).contiguous()
+            _, m = run(call, v_pre.new_zeros(v_pre.shape[:3] + (K,)), eye, True)
+            m = torch.where(call.identity_rows[:, None, None, None], m, torch.zeros_like(m))
+            send = torch.cat([end_pre, m], -1)
     width = V + K if plan.any_transition else V
     if plan.exchange:
         rows = send.index_select(0, plan.send_rows) if plan.pre is not None else \
@@ -340,11 +341,11 @@ def cp_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan.post is not None:
         call = plan.post
         init = user_initial(call)
-        if plan.exchange and bool(call.joined_rows.any()):
+        if call.has_joined:
             joined = entering.index_select(0, call.start_index)
             base = torch.zeros_like(joined) if init is None else init
             init = torch.where(call.joined_rows[:, None, None, None], joined, base)
-        outputs[1], ends[1] = run(call, _take(v, call), init, True)
+        outputs[1], ends[1] = run(call, _take(v, call), init, output_final_state)
 
     parts = [outputs[c].narrow(1, off, n) for c, off, n in plan.output_parts]
     o = parts[0] if len(parts) == 1 else torch.cat(parts, 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 
@@ -13,9 +15,9 @@ from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, 
                                    cp_flash_dma_varlen_func)
 from flash_dma.distributed.context import shard, shard_ranges
 
-# An empty sequence, short ones, and one long enough to run through every rank (and, for three
-# ranks or zigzag, to lie in a rank's middle: the pieces whose transition M is exchanged).
-PACKED = [0, 5, 5, 80, 85, 96]
+# An empty sequence, short ones, and one that runs through every rank and, for three ranks or
+# the zigzag layout, fills a rank's middle (the pieces whose transition M is exchanged).
+PACKED = [0, 3, 3, 40, 44, 48]
 
 
 @dataclass
@@ -27,15 +29,16 @@ class Case:
     # name -> sharded dim (with the case's layout), or None: replicated (gradients and outputs
     # summed over the ranks)
     shards: dict = field(default_factory=dict)
+    worlds: tuple = (2, 3)  # the world sizes it runs with on the CPU (the interpreter is slow)
 
 
-def _gdr(name, layout, **p):
+def _gdr(name, layout, worlds=(2, 3), **p):
     shards = {n: 1 for n in ("q", "k", "v", "g", "gk", "beta", "o")}
     shards.update(initial_state=None, final_state=None)
-    return Case(name, "gdr", layout, p, shards)
+    return Case(name, "gdr", layout, p, shards, worlds)
 
 
-def _attn(name, layout, **p):
+def _attn(name, layout, worlds=(2, 3), **p):
     shards = {"q": 1, "k": 1, "v": 1, "o": 1}
     for t in ("mask", "bias"):
         kind = p.get(t)
@@ -43,26 +46,32 @@ def _attn(name, layout, **p):
             shards[t] = 3
         elif kind in ("dense", "rows"):
             shards[t] = 2
-    return Case(name, "attn", layout, p, shards)
+    return Case(name, "attn", layout, p, shards, worlds)
 
 
-def _attn_varlen(name, layout, **p):
-    return Case(name, "attn_varlen", layout, p, {"q": 0, "k": 0, "v": 0, "o": 0})
+def _attn_varlen(name, layout, worlds=(2, 3), **p):
+    return Case(name, "attn_varlen", layout, p, {"q": 0, "k": 0, "v": 0, "o": 0}, worlds)
 
 
+# The delta rule's pieces: with two contiguous ranks the long sequence only passes from rank 0 to
+# rank 1 (only N is exchanged); zigzag and three contiguous ranks put a rank inside it (M too).
+# Per-key gates cost three times the scalar gate in the interpreter: one case.
 CPU_CASES = [
-    _gdr("gdr-varlen-g-states", "contiguous", T=96, H=1, HV=2, K=16, V=16, gate="g", states=True),
-    _gdr("gdr-zigzag-gk-l2norm", "zigzag", T=96, H=1, HV=1, K=16, V=16, gate="gk", states=True, l2norm=True),
-    # M from its own call (as where V + K is over the op's head-dim limit)
-    _gdr("gdr-separate-transition", "zigzag", T=96, H=1, HV=1, K=16, V=16, gate="g", states=False,
-         max_state_columns=0),
-    _attn("attn-zigzag-causal-keywise", "zigzag", B=2, S=48, H=2, Hk=1, D=16, causal=True, mask="key", bias="key"),
-    _attn("attn-zigzag-causal-dense", "zigzag", B=1, S=48, H=2, Hk=2, D=16, causal=True, mask="dense",
-          bias="dense"),
-    _attn("attn-contiguous-dense-fp32bias", "contiguous", B=1, S=48, H=2, Hk=1, D=16, causal=False, mask="rows",
-          bias="dense", bias_fp32=True),
-    _attn_varlen("attn-varlen-causal", "zigzag", T=96, H=2, Hk=1, D=16, causal=True),
-    _attn_varlen("attn-varlen", "contiguous", T=96, H=2, Hk=1, D=16, causal=False),
+    _gdr("gdr-g-states", "contiguous", worlds=(2,), T=48, H=1, HV=1, K=16, V=16, gate="g", states=True),
+    _gdr("gdr-gk-states-l2norm", "contiguous", worlds=(3,), T=48, H=1, HV=1, K=16, V=16, gate="gk",
+         states=True, l2norm=True),
+    # one sequence through every rank, grouped value heads, M from a call of its own (as where
+    # V + K is over the op's head-dim limit)
+    _gdr("gdr-zigzag-gva-separate-transition", "zigzag", worlds=(2,), T=48, H=1, HV=2, K=16, V=16, gate="g",
+         states=False, max_state_columns=0, cu=[0, 48]),
+    _attn("attn-zigzag-causal-keywise-gqa", "zigzag", B=2, S=48, H=2, Hk=1, D=16, causal=True, mask="key",
+          bias="key"),
+    _attn("attn-zigzag-causal-dense", "zigzag", worlds=(2,), B=1, S=48, H=2, Hk=2, D=16, causal=True,
+          mask="dense", bias="dense"),
+    _attn("attn-contiguous-rows-fp32bias", "contiguous", worlds=(3,), B=1, S=48, H=2, Hk=1, D=16, causal=False,
+          mask="rows", bias="dense", bias_fp32=True),
+    _attn_varlen("attn-varlen-zigzag-causal", "zigzag", T=48, H=2, Hk=1, D=16, causal=True),
+    _attn_varlen("attn-varlen-contiguous", "contiguous", worlds=(2,), T=48, H=2, Hk=1, D=16, causal=False),
 ]
 
 GPU_CASES = [
@@ -98,8 +107,9 @@ def case_by_name(name: str) -> Case:
 # Inputs
 # ------------------------------------------------------------------------------------------------
 def make_inputs(case: Case, seed: int, device, dtype):
-    """(inputs, weights): global leaf tensors, and the weights of the loss sum(out * weight) per output."""
-    gen = torch.Generator().manual_seed(seed)
+    """(inputs, weights): global leaf tensors, and the weights of the loss sum(out * weight) per
+    output; the same for a (case, seed) in every process."""
+    gen = torch.Generator().manual_seed(seed + zlib.crc32(case.name.encode()))
 
     def randn(*shape, dt=torch.float32):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)

@@ -40,9 +40,9 @@ def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, case_name
     _poison_empty()
     results = {}
     try:
-        for i, name in enumerate(case_names):
+        for name in case_names:
             case = cp_cases.case_by_name(name)
-            x, w = cp_cases.make_inputs(case, seed + i, device, cp_cases.dtype_for(case, backend == "nccl"))
+            x, w = cp_cases.make_inputs(case, seed, device, cp_cases.dtype_for(case, backend == "nccl"))
             local = {n: cp_cases.local_part(case, n, t.detach(), world_size, rank).clone().requires_grad_(
                 t.requires_grad) for n, t in x.items()}
             try:

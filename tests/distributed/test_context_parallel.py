@@ -19,6 +19,7 @@ import cp_worker  # noqa: E402
 # Bounds as multiples of TOLERANCE[dtype]: the split calls chunk and tile the sequence differently
 # from the one-process call, so results differ by rounding only.
 OUTPUT_SCALE, GRAD_SCALE = 1.0, 2.0
+_SINGLE: dict = {}  # (case, seed) -> the one-process outputs and gradients
 
 
 def _spawn(world_size: int, case_names: list[str], seed: int, tmp_path, backend: str) -> list[dict]:
@@ -31,44 +32,52 @@ def _spawn(world_size: int, case_names: list[str], seed: int, tmp_path, backend:
 def _compare(case, ranks: list[dict], seed: int, device, dtype):
     for r, res in enumerate(ranks):
         assert "error" not in res[case.name], f"rank {r} failed:\n{res[case.name]['error']}"
-    x, w = cp_cases.make_inputs(case, seed, device, dtype)
-    outputs = cp_cases.run_single(case, x, device)
-    cp_cases.loss_of(outputs, w).backward()
+    key = (case.name, seed)
+    if key not in _SINGLE:
+        x, w = cp_cases.make_inputs(case, seed, device, dtype)
+        outputs = cp_cases.run_single(case, x, device)
+        cp_cases.loss_of(outputs, w).backward()
+        expected = {("outputs", n): o.detach().cpu() for n, o in outputs.items()}
+        expected.update({("grads", n): t.grad.cpu() for n, t in x.items() if t.grad is not None})
+        _SINGLE[key] = expected
+    expected = _SINGLE[key]
+    assert {("outputs", "o"), ("grads", "q"), ("grads", "k"), ("grads", "v")} <= set(expected)
     errors, failures = {}, []
-    expected = {n: o.detach() for n, o in outputs.items()}
-    expected.update({f"d{n}": t.grad for n, t in x.items() if t.grad is not None})
-    got = {n: cp_cases.assemble(case, n, [res[case.name]["outputs"][n] for res in ranks]) for n in outputs}
-    got.update({f"d{n}": cp_cases.assemble(case, n, [res[case.name]["grads"][n] for res in ranks])
-                for n, t in x.items() if t.grad is not None})
     tol_dtype = torch.float16 if (dtype == torch.float32 and ON_GPU) else dtype
-    for name, want in expected.items():
-        assert got[name].shape == want.shape, f"{name}: shape {tuple(got[name].shape)} != {tuple(want.shape)}"
-        errors[name] = rel_err(got[name], want.cpu())
-        bound = TOLERANCE[tol_dtype] * (GRAD_SCALE if name.startswith("d") else OUTPUT_SCALE)
-        if errors[name] > bound:
-            failures.append(f"{name} {errors[name]:.1e} > {bound:.0e}")
+    for (part, name), want in expected.items():
+        label = name if part == "outputs" else f"d{name}"
+        got = cp_cases.assemble(case, name, [res[case.name][part][name] for res in ranks])
+        assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        errors[label] = rel_err(got, want)
+        bound = TOLERANCE[tol_dtype] * (GRAD_SCALE if part == "grads" else OUTPUT_SCALE)
+        if errors[label] > bound:
+            failures.append(f"{label} {errors[label]:.1e} > {bound:.0e}")
     summary = ", ".join(f"{n}={e:.1e}" for n, e in errors.items())
     assert not failures, f"{case.name}: {'; '.join(failures)} (all: {summary})"
-    assert set(expected) >= {"o", "dq", "dk", "dv"}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+# One seed per session, so that both world sizes share the one-process results.
+_SEED = int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module")
 def cpu_runs(request, tmp_path_factory):
-    """Every CPU case on 2 or 3 gloo ranks, spawned once per world size."""
+    """The CPU cases of a world size (the parameter) on that many gloo ranks, spawned once."""
     if ON_GPU:
         pytest.skip("the CPU runs (gloo, interpreter) are for machines without a GPU")
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"context-parallel seed {seed}")
-    names = [c.name for c in cp_cases.CPU_CASES]
-    ranks = _spawn(request.param, names, seed, tmp_path_factory.mktemp(f"cp{request.param}"), "gloo")
-    return seed, ranks
+    print(f"context-parallel seed {_SEED}")
+    world = request.param
+    names = [c.name for c in cp_cases.CPU_CASES if world in c.worlds]
+    return _spawn(world, names, _SEED, tmp_path_factory.mktemp(f"cp{world}"), "gloo")
 
 
-@pytest.mark.parametrize("index", range(len(cp_cases.CPU_CASES)), ids=[c.name for c in cp_cases.CPU_CASES])
-def test_cp_matches_one_process(cpu_runs, index):
-    seed, ranks = cpu_runs
-    case = cp_cases.CPU_CASES[index]
-    _compare(case, ranks, seed + index, "cpu", cp_cases.dtype_for(case, False))
+_RUNS = [(world, case) for world in (2, 3) for case in cp_cases.CPU_CASES if world in case.worlds]
+
+
+@pytest.mark.parametrize("cpu_runs, case", _RUNS, indirect=["cpu_runs"],
+                         ids=[f"{w}-ranks-{c.name}" for w, c in _RUNS])
+def test_cp_matches_one_process(cpu_runs, case):
+    _compare(case, cpu_runs, _SEED, "cpu", cp_cases.dtype_for(case, False))
 
 
 @pytest.mark.gpu
@@ -81,5 +90,5 @@ def test_gpu_cp_matches_one_process(tmp_path):
     print(f"context-parallel seed {seed}")
     names = [c.name for c in cp_cases.GPU_CASES]
     ranks = _spawn(world, names, seed, tmp_path, "nccl")
-    for index, case in enumerate(cp_cases.GPU_CASES):
-        _compare(case, ranks, seed + index, "cuda:0", cp_cases.dtype_for(case, True))
+    for case in cp_cases.GPU_CASES:
+        _compare(case, ranks, seed, "cuda:0", cp_cases.dtype_for(case, True))
