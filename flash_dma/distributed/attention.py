@@ -111,9 +111,9 @@ def cp_flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, 
 
     def attend(row_start: int, rows: int, keys: int, causal: bool):
         return flash_dma_func(q.narrow(1, row_start, rows), k_all.narrow(1, 0, keys), v_all.narrow(1, 0, keys),
-                              _rows_and_keys(mask, row_start, rows, keys),
-                              _rows_and_keys(bias, row_start, rows, keys), causal, softmax_scale,
-                              return_lse=True, deterministic=deterministic)
+                              attn_mask=_rows_and_keys(mask, row_start, rows, keys),
+                              attn_bias=_rows_and_keys(bias, row_start, rows, keys), is_causal=causal,
+                              softmax_scale=softmax_scale, return_lse=True, deterministic=deterministic)
 
     if is_causal:  # each local chunk against the key prefix that ends where it ends
         results, offset = [], 0

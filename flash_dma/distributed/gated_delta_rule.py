@@ -285,8 +285,9 @@ def cp_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def run(call: _Call, values, initial, final: bool):
         return chunk_gated_delta_rule(_take(q, call), _take(k, call), values, _take(g, call), _take(beta, call),
-                                      scale, initial, final, use_qk_l2norm_in_kernel, call.cu_seqlens,
-                                      _take(gk, call))
+                                      scale=scale, initial_state=initial, output_final_state=final,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      cu_seqlens=call.cu_seqlens, gk=_take(gk, call))
 
     def user_initial(call: _Call):
         if initial_state is None:
