@@ -1,0 +1,160 @@
+"""Context parallelism on N GPUs: time of a forward + backward of each op on a sequence split N
+ways, against one GPU; weak-scaling efficiency and the all-gather's share.
+
+    torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens-per-rank 32768] [--op gdr|attn]
+
+Gated delta rule (linear in the sequence): weak-scaling efficiency = t_1(S) / t_N(N S), S the
+tokens per rank. Causal attention (quadratic: each rank's work grows with N): efficiency =
+(t_1(N S) / N) / t_N(N S), the one-GPU time of the whole sequence shared out evenly, against the
+split time. "gather" is the all-gather of K/V (or of the exchanged states) forward + backward
+alone, timed on its own: where the all-gather form cannot overlap it with compute, its share of
+t_N is the communication cost. Prints one line per op and writes bench/results/cp-<GPU>-N<N>.json.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flash_dma import chunk_gated_delta_rule, flash_dma_func  # noqa: E402
+from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, cp_flash_dma_func,  # noqa: E402
+                                   gather_sequence, shard_sequence)
+
+
+def timed(fn, warmup: int = 2, iters: int = 5) -> float:
+    """Seconds per call of fn (forward + backward), the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor(start.elapsed_time(end) / 1e3 / iters, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def fwd_bwd(op, *inputs):
+    def run():
+        out = op(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def leaf(t):
+    return t.detach().requires_grad_(True)
+
+
+def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int):
+    """One sequence of world * tokens: the exchanged states pass through every rank."""
+    total = tokens * world
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def inputs(T):
+        q = torch.randn(1, T, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        k = F.normalize(torch.randn(1, T, heads, dim, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
+        v = torch.randn(1, T, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        g = F.logsigmoid(torch.randn(1, T, heads, device="cuda", generator=gen) + 4)
+        beta = torch.rand(1, T, heads, device="cuda", generator=gen).to(torch.bfloat16)
+        return [leaf(t) for t in (q, k, v, g, beta)]
+
+    ctx = build_cp_context(torch.tensor([0, total], dtype=torch.int32, device="cuda"))
+    local = [leaf(ctx.shard(t)) for t in inputs(total)]
+    t_split = timed(fwd_bwd(lambda *x: cp_chunk_gated_delta_rule(*x, cp_context=ctx), *local))
+    state = leaf(torch.randn(1, heads, dim, 2 * dim, device="cuda"))  # [N | M] per rank
+    t_gather = timed(fwd_bwd(lambda s: gather_sequence(s, 0, layout="contiguous"), state))
+    t_one = None
+    if rank == 0:
+        one = inputs(tokens)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+        fn = fwd_bwd(lambda *x: chunk_gated_delta_rule(*x, cu_seqlens=cu), *one)
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t_one = start.elapsed_time(end) / 1e3 / 5
+    dist.barrier()
+    return dict(op="gdr", tokens_per_rank=tokens, heads=heads, dim=dim, t_split=t_split, t_one_rank_tokens=t_one,
+                efficiency=None if t_one is None else t_one / t_split, t_gather=t_gather)
+
+
+def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: int, dim: int, key_bias: bool):
+    total = tokens * world
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, total, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(1, total, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(1, total, kv_heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    bias = torch.randn(1, heads, 1, total, device="cuda", generator=gen, dtype=torch.bfloat16) if key_bias else None
+    local = [leaf(shard_sequence(t, 1)) for t in (q, k, v)]
+    local_bias = leaf(shard_sequence(bias, 3)) if key_bias else None
+    t_split = timed(fwd_bwd(lambda q_, k_, v_, b_: cp_flash_dma_func(q_, k_, v_, attn_bias=b_, is_causal=True),
+                            *local, local_bias))
+    t_gather = timed(fwd_bwd(lambda k_, v_: torch.cat(
+        [gather_sequence(k_, 1), gather_sequence(v_, 1)], 2), local[1], local[2]))
+    t_one = None
+    if rank == 0:
+        whole = [leaf(t) for t in (q, k, v)]
+        fn = fwd_bwd(lambda q_, k_, v_, b_: flash_dma_func(q_, k_, v_, attn_bias=b_, is_causal=True),
+                     *whole, leaf(bias) if key_bias else None)
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t_one = start.elapsed_time(end) / 1e3 / 3
+    dist.barrier()
+    return dict(op="attention" + ("-keybias" if key_bias else ""), tokens_per_rank=tokens, heads=heads,
+                kv_heads=kv_heads, dim=dim, t_split=t_split, t_one_whole=t_one,
+                efficiency=None if t_one is None else t_one / world / t_split, t_gather=t_gather)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens-per-rank", type=int, default=32768)
+    p.add_argument("--op", choices=["gdr", "attn", "both"], default="both")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    results = []
+    if args.op in ("gdr", "both"):
+        results.append(bench_gdr(args.tokens_per_rank, world, rank, heads=16, dim=128))
+    if args.op in ("attn", "both"):
+        for key_bias in (False, True):
+            results.append(bench_attention(args.tokens_per_rank, world, rank, heads=32, kv_heads=8, dim=128,
+                                           key_bias=key_bias))
+    if rank == 0:
+        gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+        for r in results:
+            eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
+            print(f"{r['op']:<18} N={world} {r['tokens_per_rank']} tokens/rank: split {r['t_split'] * 1e3:.2f} ms, "
+                  f"efficiency {eff}, gather fwd+bwd {r['t_gather'] * 1e3:.2f} ms "
+                  f"({100 * r['t_gather'] / r['t_split']:.0f}% of the split time)", flush=True)
+        out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cp-{gpu}-N{world}.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(gpu=gpu, world=world, results=results), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Context parallelism in one process: the shard layouts, the pieces of packed sequences, the
+differentiable join against the fp64 loop, and argument checks (on a one-rank gloo group)."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import DEVICE
+from helpers import rel_err
+from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, cp_flash_dma_func,
+                                   cp_flash_dma_varlen_func)
+from flash_dma.distributed.context import plan_pieces, shard, shard_ranges
+from flash_dma.distributed.gated_delta_rule import join_layout, join_pieces
+from flash_dma.ops.gated_delta_rule.segments import join_segments_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cp_cases  # noqa: E402
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shards_cover_the_sequence_once_and_assemble_back(world, layout):
+    total = 24 * world
+    owners = torch.full((total,), -1)
+    for r in range(world):
+        ranges = shard_ranges(total, world, r, layout)
+        assert sum(e - s for s, e in ranges) == total // world
+        assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # ascending, merged
+        for s, e in ranges:
+            assert (owners[s:e] == -1).all()
+            owners[s:e] = r
+    assert (owners >= 0).all()
+    if layout == "zigzag":  # causal work (sum of key counts over the rank's queries) is equal
+        work = [sum(sum(range(s + 1, e + 1)) for s, e in shard_ranges(total, world, r, layout))
+                for r in range(world)]
+        assert len(set(work)) == 1
+    x = torch.randn(2, total, 3)
+    case = cp_cases.Case("t", "attn", layout, shards={"x": 1})
+    parts = [shard(x, 1, world, r, layout) for r in range(world)]
+    assert torch.equal(cp_cases.assemble(case, "x", parts), x.double())
+
+
+def test_uneven_split_is_refused():
+    with pytest.raises(ValueError, match="equal parts"):
+        shard_ranges(30, 4, 0, "zigzag")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_pieces_tile_every_rank_and_every_sequence(world, layout):
+    cu = cp_cases.PACKED
+    ranks = plan_pieces(cu, world, layout)
+    covered = torch.zeros(cu[-1], dtype=torch.int64)
+    for r, pieces in enumerate(ranks):
+        local = 0
+        for p in pieces:
+            assert p.rank == r and p.local_start == local and p.length > 0
+            assert cu[p.seq] == p.seq_start <= p.global_start < p.global_end <= p.seq_end == cu[p.seq + 1]
+            covered[p.global_start:p.global_end] += 1
+            local += p.length
+        assert local == cu[-1] // world
+    assert (covered == 1).all()
+    # a sequence's pieces in global order: the first starts it, the last ends it
+    by_seq = {}
+    for pieces in ranks:
+        for p in pieces:
+            by_seq.setdefault(p.seq, []).append(p)
+    for seq, pieces in by_seq.items():
+        pieces.sort(key=lambda p: p.global_start)
+        assert pieces[0].starts_sequence and pieces[-1].ends_sequence
+        assert all(a.global_end == b.global_start for a, b in zip(pieces, pieces[1:]))
+    # the long sequence runs through a rank's middle with three ranks or zigzag (M exchanged)
+    middle = [p for pieces in ranks for p in pieces if not p.starts_sequence and not p.ends_sequence]
+    assert bool(middle) == (world == 3 or layout == "zigzag")
+
+
+@pytest.mark.parametrize("K, V", [(16, 16), (16, 24)])
+def test_join_and_its_gradient_match_the_fp64_loop(K, V):
+    """Forward: join_segments; backward: the reverse join on M^T. Both against autograd through
+    segments.join_segments_reference in fp64."""
+    counts = [3, 1, 2]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    slots, HV = sum(counts), 2
+    layout = join_layout(first, counts, torch.device(DEVICE))
+    M = (torch.randn(slots, HV, K, K, device=DEVICE) * 0.3).requires_grad_()
+    N = torch.randn(slots, HV, K, V, device=DEVICE).requires_grad_()
+    starts, final = join_pieces(M, N, layout)
+    w_starts, w_final = torch.randn_like(starts), torch.randn_like(final)
+    ((starts * w_starts).sum() + (final * w_final).sum()).backward()
+
+    M64 = M.detach().cpu().double().requires_grad_()
+    N64 = N.detach().cpu().double().requires_grad_()
+    ref_starts, ref_final = join_segments_reference(M64, N64, layout, None)
+    ((ref_starts * w_starts.cpu().double()).sum() + (ref_final * w_final.cpu().double()).sum()).backward()
+    for name, got, want in (("starts", starts, ref_starts), ("final", final, ref_final),
+                            ("dM", M.grad, M64.grad), ("dN", N.grad, N64.grad)):
+        assert rel_err(got.detach().cpu(), want.detach()) < 1e-5, name
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_context_needs_an_initialised_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        build_cp_context(torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_bad_arguments_name_themselves(one_rank_group):
+    cu = torch.tensor([0, 10, 32], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="layout"):
+        build_cp_context(cu, layout="ring")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        build_cp_context(torch.tensor([0, 10, 5], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        build_cp_context(cu.float())
+    with pytest.raises(ValueError, match="equal parts"):
+        build_cp_context(torch.tensor([0, 7], dtype=torch.int32, device=DEVICE), layout="zigzag")
+    ctx = build_cp_context(cu)
+    q = torch.randn(1, 32, 1, 16, device=DEVICE)
+    beta = torch.rand(1, 32, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="q: expected this rank's 32 tokens"):
+        cp_chunk_gated_delta_rule(q[:, :16], q[:, :16], q[:, :16], None, beta[:, :16], cp_context=ctx)
+    with pytest.raises(ValueError, match="initial_state"):
+        cp_chunk_gated_delta_rule(q, q, q, None, beta, initial_state=torch.zeros(3, 1, 16, 16, device=DEVICE),
+                                  cp_context=ctx)
+    with pytest.raises(TypeError, match="cp_context"):
+        cp_chunk_gated_delta_rule(q, q, q, None, beta, cp_context=cu)
+    qa = torch.randn(1, 32, 2, 16, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="attn_bias: a key-wise"):
+        cp_flash_dma_func(qa, qa, qa, attn_bias=torch.zeros(1, 2, 1, 16, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="attn_mask: dim 2"):
+        cp_flash_dma_func(qa, qa, qa, attn_mask=torch.ones(1, 2, 8, 32, device=DEVICE, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k: expected this rank's 32 tokens"):
+        cp_flash_dma_varlen_func(qa[0], qa[0, :8], qa[0, :8], ctx)
+
+
+def test_one_rank_equals_the_plain_call(one_rank_group):
+    """A group of one: no exchange, the same calls as without context parallelism."""
+    case = cp_cases._gdr("one-rank", "contiguous", T=48, H=1, HV=1, K=16, V=16, gate="g", states=True)
+    x, w = cp_cases.make_inputs(case, 0, DEVICE, torch.float32)
+    ref = cp_cases.run_single(case, x, DEVICE)
+    got = cp_cases.run_cp(case, x, DEVICE)
+    for name in ("o", "final_state"):
+        assert rel_err(got[name].detach(), ref[name].detach()) < 1e-6, name
