@@ -33,7 +33,7 @@ from ...runtime.hardware import DeviceInfo, device_info, interpreter_active
 KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
 
 # Hopper defaults, from the sweeps of bench/tune_attention.py and the A/B probes recorded in
-# docs/perf/attention-code-notes.md. The key-major backward is register-bound: at head dim 128
+# docs/perf/attention.md. The key-major backward is register-bound: at head dim 128
 # its two fp32 accumulators fill the register file unless the key tile stays small.
 HOPPER_TABLE: dict[tuple, LaunchConfig] = {
     ("attn_fwd", 16): LaunchConfig(128, 64, 4, 3),

@@ -183,7 +183,7 @@ def _list_entry(entries, it, count):
     entry one tile ahead: an entry loaded in the iteration that uses it made Triton's pipeliner
     give the tile loads one buffer fewer (at 3 stages 2 K/V buffers and 1 bias buffer instead of
     3 and 2). Not done in the key-major backward (it spills more) nor for gathered keys (slower
-    there); docs/perf/attention-code-notes.md has the measurements."""
+    there); docs/perf/attention.md has the measurements."""
     return tl.load(entries + it, mask=it < count, other=0)
 
 
