@@ -106,11 +106,16 @@ def choose(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
     return _choose_cuda(kernel, K, V, device, sequences_x_heads)
 
 
+def cache_key(kernel: str, K: int, V: int, device: torch.device) -> str:
+    """Where a sweep's winner for a pass is stored (flash-dma tune gdn) and looked up."""
+    return f"gdn/{kernel}/K{head_dim_block(K)}/V{head_dim_block(V)}/{device_info(device).name}"
+
+
 @remember_until_retuned
 def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int) -> Chosen:
     kp, vp = head_dim_block(K), head_dim_block(V)
     info = device_info(device)
-    hit = tuning_cache.lookup(f"gdn/{kernel}/K{kp}/V{vp}/{info.name}")
+    hit = tuning_cache.lookup(cache_key(kernel, K, V, device))
     if hit:
         return Chosen(GdnConfig(**hit), "tuning cache")
     cfg, source = _default(kernel, kp, vp), "table"
