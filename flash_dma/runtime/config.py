@@ -3,7 +3,8 @@
 persistent tuning cache.
 
 Each op keeps its own table and its selection order beside its kernels (attention:
-ops/dynamic_mask_attention/launch_table.py; the gated delta rule: ops/gated_delta_rule/config.py).
+ops/dynamic_mask_attention/launch_table.py; the gated delta rule: ops/gated_delta_rule/launch_table.py),
+and its sweep candidates in tune.py beside it (flash-dma tune).
 In Triton's CPU interpreter small tiles are used so that small test shapes still cross blocks.
 """
 from __future__ import annotations

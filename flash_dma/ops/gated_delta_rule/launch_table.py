@@ -4,8 +4,8 @@
 from, in this order:
   "override"      `runtime.config.overrides(gdn_<pass>=GdnConfig(...))` (sweeps, tests),
   "interpreter"   small tiles on the CPU, so that small test shapes cross tile boundaries,
-  "tuning cache"  an entry stored under gdn/<pass>/K<k>/V<v>/<GPU name> with
-                  flash_dma.runtime.tuning_cache.store, e.g. after a sweep on this GPU,
+  "tuning cache"  an entry stored under cache_key (gdn/<pass>/K<k>/V<v>/<GPU name>) by a sweep
+                  on this GPU (`flash-dma tune gdn`, tune.py beside this file),
   "table"         the defaults below, measured on Hopper (docs/perf/gated_delta_rule.md),
   "rule"          derived from the problem (head dims that leave tiles partly masked, the number
                   of sequential chains).
