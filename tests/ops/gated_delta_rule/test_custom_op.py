@@ -38,7 +38,7 @@ def test_gates_and_states_fullgraph_dynamic():
     """Scalar gate, initial and final state, qk l2norm, grouped value heads; K = V = 64, where the
     forward keeps T and the gate cumsums for the backward (extra outputs of the forward op). A
     second length runs through the same graph."""
-    B, H, HV, K, V = 2, 1, 2, 64, 64
+    B, H, HV, K, V = 1, 1, 2, 64, 64
     assert keeps_inverse(K, V, False)
 
     def loss(q, k, v, g_raw, beta_raw, h0):
@@ -50,32 +50,31 @@ def test_gates_and_states_fullgraph_dynamic():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
-    for T in (13, 22):
+    for T in (9, 14):
         leaves = [_leaf(B, T, H, K), _leaf(B, T, H, K), _leaf(B, T, HV, V), _leaf(B, T, HV),
                   _leaf(B, T, HV), _leaf(B, HV, K, V)]
         _check(compiled, loss, leaves)
     assert counter.frame_count == 1, f"{counter.frame_count} compilations for two lengths"
 
 
-def test_per_key_gate_varlen_fullgraph_dynamic():
-    """Per-key gate gk with the scalar gate, packed sequences (cu_seqlens, one empty), initial
-    state; only the output reaches the loss in one call, only the final state in the other."""
+def test_per_key_gate_varlen_fullgraph():
+    """Per-key gate gk alone (Kimi Delta Attention), packed sequences (cu_seqlens, one empty),
+    initial and final state."""
     H, K, V = 1, 16, 16
+    lengths = [7, 0, 5]
+    T, n = sum(lengths), len(lengths)
+    cu = torch.tensor([0, 7, 7, 12], device=DEVICE, dtype=torch.int32)
 
-    def loss(q, k, v, g_raw, gk_raw, beta_raw, h0, cu, use_output):
-        o, final = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw),
-                                          initial_state=h0, output_final_state=not use_output,
-                                          cu_seqlens=cu, gk=F.logsigmoid(gk_raw))
-        return o.sin().sum() if use_output else final.square().sum()
+    def loss(q, k, v, gk_raw, beta_raw, h0):
+        o, final = chunk_gated_delta_rule(q, k, v, None, torch.sigmoid(beta_raw), initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu, gk=F.logsigmoid(gk_raw))
+        return o.sin().sum() + final.square().sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
-    for lengths, use_output in (([7, 0, 12], True), ([5, 17, 3], False)):
-        T, n = sum(lengths), len(lengths)
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEVICE, dtype=torch.int32)
-        leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H),
-                  _leaf(1, T, H, K), _leaf(1, T, H), _leaf(n, H, K, V)]
-        _check(lambda *t: compiled(*t, cu, use_output), lambda *t: loss(*t, cu, use_output), leaves)
+    leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H, K), _leaf(1, T, H),
+              _leaf(n, H, K, V)]
+    _check(compiled, loss, leaves)
 
 
 def test_bwd_dhu_fullgraph_varlen():
