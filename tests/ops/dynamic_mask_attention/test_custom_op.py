@@ -113,4 +113,7 @@ def test_opcheck(varlen):
         bias, mask = _leaf(1, 2, 9, 11), torch.rand(2, 1, 9, 11, device=DEVICE) < 0.8
         mask[..., 0] = True
         args = (q, k, v, mask, bias, None, None, 0, 0, False, 0.3, False, True)
-    torch.library.opcheck(attention_fwd, args)
+    # (the full set once; the AOT dispatch test, the slowest in the interpreter, not twice)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor") if varlen else \
+        ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(attention_fwd, args, test_utils=utils)
