@@ -18,7 +18,6 @@ from torch import Tensor
 
 from ...runtime.custom_ops import absent, present
 from ...runtime.hardware import device_guard
-from ...runtime.validation import last_dim_contiguous
 from .autograd import run_backward, run_forward
 from .checks import lower_call
 from .plan import plan_forward
@@ -35,13 +34,14 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, att
         max_seqlen_q, max_seqlen_k)
     with device_guard(device):
         out, lse, _ = run_forward(problem, q, k, v, mask, bias)
-    return out, lse
+    # contiguous, as the fake implementation says, whichever backend ran (no copy where it already is)
+    return out.contiguous(), lse.contiguous()
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, is_causal, softmax_scale, varlen, deterministic):
-    out = torch.empty_like(last_dim_contiguous(q))  # as the kernels allocate it
+    out = q.new_empty(q.shape)
     if varlen:  # q [total_q, H, D] -> lse [H, total_q]
         lse_shape = (q.shape[1], q.shape[0])
     else:  # q [B, Sq, H, D] -> lse [B, H, Sq]
