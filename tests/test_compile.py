@@ -1,5 +1,6 @@
-"""The public ops inside torch.compile'd code: each op is a graph break (it runs eagerly, as FLA's
-ops do), and the compiled function returns what the eager one returns, gradients included.
+"""The public ops inside torch.compile'd code: each op traces as a torch.library custom op (one
+graph node, ops/<op>/custom_op.py), so the whole function compiles with fullgraph=True, and the
+compiled function returns what the eager one returns, gradients included.
 
 aot_eager (AOTAutograd, no code generation) runs everywhere, the interpreter included; on the GPU
 the default backend (Inductor) runs too."""
@@ -25,7 +26,7 @@ def _compare(fn, leaves, backend):
     torch._dynamo.reset()
     ref = fn(*leaves)
     ref_grads = torch.autograd.grad(ref, leaves)
-    compiled = torch.compile(fn, backend=backend)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
     out = compiled(*leaves)
     grads = torch.autograd.grad(out, leaves)
     exact = backend == "aot_eager"
@@ -89,7 +90,7 @@ def test_bwd_dhu_in_compiled_code():
         dh, _, dv2 = chunk_gated_delta_rule_bwd_dhu(q * 0.5, k, w, do, dv)
         return dh.float().sum(), dv2
     ref_sum, ref_dv2 = run(q)
-    got_sum, got_dv2 = torch.compile(run, backend="aot_eager")(q)
+    got_sum, got_dv2 = torch.compile(run, backend="aot_eager", fullgraph=True)(q)
     assert torch.equal(got_sum, ref_sum) and torch.equal(got_dv2, ref_dv2)
 
 

@@ -138,7 +138,7 @@ def _keywise_gather(mask) -> bool:
     return mask is not None and mask.shape[2] == 1 and mask.shape[3] > 1
 
 
-@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (as the other ops)
+@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (no custom op for decoding yet)
 @torch.no_grad()
 def flash_dma_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, attn_mask=None, attn_bias=None,

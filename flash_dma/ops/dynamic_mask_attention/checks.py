@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from ...runtime.validation import check_head_dim, check_interpreter_dtype, check_tensor, \
-    last_dim_contiguous
+from ...runtime.validation import check_cu_seqlens, check_head_dim, check_interpreter_dtype, \
+    check_same_device, check_tensor, cu_seqlens_values, last_dim_contiguous
+from .plan import AttentionProblem
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -76,3 +77,35 @@ def deterministic_requested(requested) -> bool:
     """deterministic=True, or torch.use_deterministic_algorithms(True) in effect (as torch's own
     attention backward honours it)."""
     return bool(requested) or torch.are_deterministic_algorithms_enabled()
+
+
+def lower_call(q, k, v, attn_mask, attn_bias, is_causal, softmax_scale, varlen: bool,
+               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Checks a call of either attention function and lowers it to its AttentionProblem:
+    -> (problem, q, k, v, mask, bias, device), q/k/v/mask/bias as the kernels read them. The eager
+    functions and the custom ops (custom_op.py) both call this, so both check alike."""
+    check_qkv(q, k, v, varlen=varlen)
+    named = {"q": q, "k": k, "v": v}
+    if varlen:
+        named.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    device = check_same_device({**named, "attn_mask": attn_mask, "attn_bias": attn_bias})
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    kv_heads = k.shape[-2]
+    if varlen:
+        batch = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+        check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch)
+        check_max_seqlens(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        cu_seqlens_q = cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        cu_seqlens_k = cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+        seqlen_q, seqlen_k, words = max_seqlen_q, max_seqlen_k, ("max_seqlen_q", "max_seqlen_k")
+    else:
+        batch, seqlen_q, seqlen_k, words = q.shape[0], q.shape[1], k.shape[1], ("Sq", "Sk")
+        cu_seqlens_q = cu_seqlens_k = None
+    mask = validate_pair("attn_mask", attn_mask, batch, heads, kv_heads, seqlen_q, seqlen_k,
+                         (torch.bool,), device, words)
+    bias = validate_pair("attn_bias", attn_bias, batch, heads, kv_heads, seqlen_q, seqlen_k,
+                         (q.dtype, torch.float32), device, words)
+    problem = AttentionProblem(batch, heads, kv_heads, head_dim, seqlen_q, seqlen_k, varlen, bool(is_causal),
+                               softmax_scale_or_default(softmax_scale, head_dim), cu_seqlens_q, cu_seqlens_k)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    return problem, q, k, v, mask, bias, device

@@ -17,8 +17,9 @@ import torch
 from ...runtime.autograd import first_order_only
 from ...runtime.hardware import device_guard, graph_capturing
 from ...runtime.launch import compile_ahead, compile_ahead_enabled
-from .layout import ChunkLayout, as_rows, chunk_layout
-from .plan import DeltaRulePlan, plan_call
+from .checks import check_bwd_dhu_inputs
+from .layout import CHUNK, ChunkLayout, as_rows, chunk_layout, total_chunks
+from .plan import DeltaRulePlan, plan_bwd_dhu, plan_call
 from .triton import bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
 
 # The passes of each backend, by plan.backend. A second backend (ops/gated_delta_rule/cute/)
@@ -109,15 +110,56 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     return dq, dk, dv, dg, dgk, dbeta, dh0
 
 
+def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: bool, cu_seqlens):
+    """The forward of one call, planned: -> (o, final state or None, g_cum, ai, layout, plan), g_cum
+    and ai as forward() keeps them for the backward. Shared with the custom ops (custom_op.py)."""
+    B, T = q.shape[:2]
+    layout = chunk_layout(B, T, cu_seqlens)
+    plan = plan_call(q, v, g is not None, gk is not None, layout)
+    o, final, g_cum, ai = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, output_final_state)
+    layout.zero_rows_outside(o)
+    return o, final, g_cum, ai, layout, plan
+
+
+def run_backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
+                 g_cum, ai, do, dht):
+    """-> (dq, dk, dv, dg, dgk, dbeta in beta's dtype, dh0); dg, dgk, dh0 None where absent."""
+    do = as_rows(do)
+    dht = None if dht is None else dht.float().contiguous()
+    with device_guard(q.device):
+        dq, dk, dv, dg, dgk, dbeta, dh0 = backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
+                                                   do, dht, g_cum, ai)
+        layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
+    return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), dh0
+
+
+def run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens):
+    """The public state-gradient pass (interface.chunk_gated_delta_rule_bwd_dhu), checks included:
+    -> (dh, dh0 or None, dv2). Shared with its custom op (custom_op.py)."""
+    device, cu_seqlens = check_bwd_dhu_inputs(q, k, w, do, dv, g, gk, h0, dht, cu_seqlens, CHUNK)
+    if scale is None:
+        scale = q.shape[3] ** -0.5
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    with device_guard(device):
+        layout = chunk_layout(B, T, cu_seqlens)
+        plan = plan_bwd_dhu(device, B, T, H, HV, K, V, layout, g is not None, gk is not None)
+        dh, dh0, dv2 = BACKENDS[plan.backend].bwd_dhu.bwd_dhu(
+            plan, layout, as_rows(q), as_rows(k), as_rows(w), as_rows(do), as_rows(dv),
+            None if g is None else as_rows(g), None if gk is None else as_rows(gk),
+            None if dht is None else as_rows(dht), h0 is not None, float(scale))
+        if layout.is_varlen:
+            dh = dh[:total_chunks(cu_seqlens)].unsqueeze(0)
+        else:
+            dh = dh.view(B, -1, HV, K, V)
+    return dh, dh0, dv2
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
-        B, T = q.shape[:2]
-        layout = chunk_layout(B, T, cu_seqlens)
-        plan = plan_call(q, v, g is not None, gk is not None, layout)
-        o, final, g_cum, ai = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                      output_final_state)
-        layout.zero_rows_outside(o)
+        o, final, g_cum, ai, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
+                                                        output_final_state, cu_seqlens)
         ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
@@ -125,14 +167,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, gk, beta, initial_state, g_cum, ai = ctx.saved_tensors
-        do = as_rows(do)
-        dht = None if dht is None else dht.float().contiguous()
-        with device_guard(q.device):
-            dq, dk, dv, dg, dgk, dbeta, dh0 = backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
-                                                       initial_state, do, dht, g_cum, ai)
-            ctx.layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
+        dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
+                                                       initial_state, g_cum, ai, do, dht)
         return first_order_only("chunk_gated_delta_rule",
-                                (dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), None, dh0, None, None),
+                                (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
                                 (q, k, v, g, gk, beta, initial_state))
 
 

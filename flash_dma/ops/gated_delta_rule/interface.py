@@ -3,19 +3,21 @@ backward, autograd.py) and its state-gradient pass chunk_gated_delta_rule_bwd_dh
 
 Layout of this package: checks.py (argument checks), layout.py (chunks of equal or packed
 sequences), plan.py (one plan per call: strategies and launch choices), launch_table.py (the
-launch configurations), autograd.py (the order of the passes), triton/ (one file per kernel pass
-with its launcher), reference.py (fp64 references), segments.py (sequence segments).
+launch configurations), autograd.py (the order of the passes), custom_op.py (the same as
+torch.library custom ops, called while torch.compile traces these functions), triton/ (one file
+per kernel pass with its launcher), reference.py (fp64 references), segments.py (sequence
+segments).
 """
 from __future__ import annotations
 
 import torch
 
+from ...runtime.custom_ops import present, use_custom_ops
 from ...runtime.hardware import device_guard
-from .autograd import ChunkGatedDeltaRuleFunction, compile_ahead_of_first_call
-from .checks import check_bwd_dhu_inputs, check_op_inputs
-from .layout import as_rows, chunk_layout, total_chunks
-from .plan import plan_bwd_dhu
-from .triton.bwd_dhu import bwd_dhu
+from .autograd import ChunkGatedDeltaRuleFunction, compile_ahead_of_first_call, run_bwd_dhu
+from .checks import check_chunk_size, check_op_inputs
+from .custom_op import gated_delta_rule_bwd_dhu, gated_delta_rule_fwd
+from .layout import as_rows
 
 # On the H200 (Triton 3.6) value dims under 32 gave wrong outputs: the op zero-pads V there.
 _MIN_GPU_V = 32
@@ -27,7 +29,6 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
-@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -40,8 +41,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
-    B, T, H, HV, K, V, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk,
-                                                    chunk_size)
+    compiling = use_custom_ops()
+    if compiling:  # the checks run inside the op (those of cu_seqlens read it back to the host)
+        check_chunk_size(chunk_size)
+        K, V = q.shape[-1], v.shape[-1]
+    else:
+        B, T, H, HV, K, V, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk,
+                                                        chunk_size)
     if scale is None:
         scale = K ** -0.5
     if use_qk_l2norm_in_kernel:
@@ -58,17 +64,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
     args = (as_rows(q), as_rows(k), as_rows(v), g32, gk32, as_rows(beta), float(scale), initial_state,
             bool(output_final_state), cu_seqlens)
-    with device_guard(q.device):
-        compile_ahead_of_first_call(args, backward=torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state)))
-        o, final = ChunkGatedDeltaRuleFunction.apply(*args)
+    backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state))
+    if compiling:  # traced by torch.compile: one custom op node (custom_op.py)
+        o, final, _, _ = gated_delta_rule_fwd(*args, backward)
+        final = present(final, bool(output_final_state))
+    else:
+        with device_guard(q.device):
+            compile_ahead_of_first_call(args, backward=backward)
+            o, final = ChunkGatedDeltaRuleFunction.apply(*args)
     if pad_v:
         o = o[..., :V]
         final = None if final is None else final[..., :V]
     return o, (final if output_final_state else None)
 
 
-@torch.compiler.disable  # under torch.compile: a graph break, run eagerly (see README)
 def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                                    dv: torch.Tensor, g: torch.Tensor | None = None,
                                    gk: torch.Tensor | None = None, h0: torch.Tensor | None = None,
@@ -79,19 +89,8 @@ def chunk_gated_delta_rule_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Te
     g, gk are chunk-local cumulative sums; with gk, q and k come already gated. With cu_seqlens,
     NT is the total chunk count of the packed sequences (read from cu_seqlens: one host sync
     the first time a cu_seqlens tensor is seen, none after)."""
-    device, cu_seqlens = check_bwd_dhu_inputs(q, k, w, do, dv, g, gk, h0, dht, cu_seqlens, chunk_size)
-    if scale is None:
-        scale = q.shape[3] ** -0.5
-    B, T, H, K = q.shape
-    HV, V = do.shape[2], do.shape[3]
-    with device_guard(device):
-        layout = chunk_layout(B, T, cu_seqlens)
-        plan = plan_bwd_dhu(device, B, T, H, HV, K, V, layout, g is not None, gk is not None)
-        dh, dh0, dv2 = bwd_dhu(plan, layout, as_rows(q), as_rows(k), as_rows(w), as_rows(do), as_rows(dv),
-                               None if g is None else as_rows(g), None if gk is None else as_rows(gk),
-                               None if dht is None else as_rows(dht), h0 is not None, float(scale))
-        if layout.is_varlen:
-            dh = dh[:total_chunks(cu_seqlens)].unsqueeze(0)
-        else:
-            dh = dh.view(B, -1, HV, K, V)
-    return dh, dh0, dv2
+    check_chunk_size(chunk_size)
+    if use_custom_ops():  # traced by torch.compile: one custom op node (custom_op.py)
+        dh, dh0, dv2 = gated_delta_rule_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens)
+        return dh, present(dh0, h0 is not None), dv2
+    return run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens)

@@ -1,0 +1,131 @@
+"""The chunked gated delta rule as torch.library custom ops, for torch.compile.
+
+flash_dma::gated_delta_rule_fwd  (q, k, v, g?, gk?, beta, ...) -> (o, final, g_cum, ai)
+flash_dma::gated_delta_rule_bwd  (do, dht?, q, k, v, ...) -> (dq, dk, dv, dg, dgk, dbeta, dh0)
+flash_dma::gated_delta_rule_bwd_dhu  the public state-gradient pass -> (dh, dh0, dv2)
+
+The forward's g_cum and ai (the gate cumsums and T that the eager Function keeps for its backward,
+where the plan keeps them) are outputs of the forward op, marked non-differentiable, so the
+backward op reuses them as the eager backward does. A plan is a Python object and cannot cross an
+op's boundary: the backward op re-plans (plan_call is memoised) and re-reads the layout (cached
+per cu_seqlens tensor). Absent outputs are empty placeholders (runtime/custom_ops.py). The public
+functions call these ops only while torch.compile traces them (interface.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...runtime.custom_ops import absent, present
+from ...runtime.config import ceil_div
+from ...runtime.hardware import device_guard
+from .autograd import compile_ahead_of_first_call, run_backward, run_bwd_dhu, run_forward
+from .checks import check_op_inputs, checked_cu_seqlens
+from .launch_table import keeps_inverse
+from .layout import CHUNK, as_rows, chunk_layout
+from .plan import plan_call
+
+
+@torch.library.custom_op("flash_dma::gated_delta_rule_fwd", mutates_args=())
+def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: Tensor | None, beta: Tensor,
+                         scale: float, initial_state: Tensor | None, output_final_state: bool,
+                         cu_seqlens: Tensor | None, compile_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v, g, gk, beta as chunk_gated_delta_rule hands them to its autograd Function (rows,
+    gates in fp32). compile_backward: the call will be differentiated (compile its backward's
+    kernels ahead too)."""
+    *_, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, CHUNK)
+    args = (as_rows(q), as_rows(k), as_rows(v), g, gk, as_rows(beta), scale, initial_state, output_final_state,
+            cu_seqlens)
+    with device_guard(q.device):
+        compile_ahead_of_first_call(args, backward=compile_backward)
+        o, final, g_cum, ai, _, _ = run_forward(*args)
+    return o, final if output_final_state else absent(q), absent(q) if g_cum is None else g_cum, \
+        absent(q) if ai is None else ai
+
+
+def _kept_for_backward(k, v, g, gk) -> tuple[bool, bool]:
+    """(g_cum kept, ai kept): what the plan's forward keeps (plan.keep_inverse)."""
+    keep = keeps_inverse(k.shape[3], v.shape[3], gk is not None)
+    return keep and g is not None, keep
+
+
+@gated_delta_rule_fwd.register_fake
+def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               compile_backward):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = q.new_empty((B, T, HV, V))
+    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final = q.new_empty((num_seqs, HV, K, V), dtype=torch.float32) if output_final_state else absent(q)
+    keep_g_cum, keep_ai = _kept_for_backward(k, v, g, gk)
+    g_cum = q.new_empty((B, T, HV), dtype=torch.float32) if keep_g_cum else absent(q)
+    # T's buffer (wy_prepare.inverse_buffer): fp32 for fp32 inputs (with gk it is never kept)
+    ai_dtype = torch.float32 if k.dtype == torch.float32 else k.dtype
+    ai = q.new_empty((B, T, HV, CHUNK), dtype=ai_dtype) if keep_ai else absent(q)
+    return o, final, g_cum, ai
+
+
+@torch.library.custom_op("flash_dma::gated_delta_rule_bwd", mutates_args=())
+def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+                         gk: Tensor | None, beta: Tensor, scale: float, initial_state: Tensor | None,
+                         cu_seqlens: Tensor | None, g_cum: Tensor, ai: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv, dg, dgk, dbeta, dh0), contiguous; placeholders for absent g, gk, initial_state."""
+    B, T = q.shape[:2]
+    cu_seqlens = checked_cu_seqlens(cu_seqlens, B, T, q.device)  # (int32, checked once per tensor)
+    layout = chunk_layout(B, T, cu_seqlens)
+    plan = plan_call(q, v, g is not None, gk is not None, layout)
+    g_cum = g_cum if plan.keep_inverse and g is not None else None
+    ai = ai if plan.keep_inverse else None
+    grads = run_backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, g_cum, ai, do, dht)
+    return tuple(absent(q) if t is None else t.contiguous() for t in grads)
+
+
+@gated_delta_rule_bwd.register_fake
+def _gated_delta_rule_bwd_fake(do, dht, q, k, v, g, gk, beta, scale, initial_state, cu_seqlens, g_cum, ai):
+    like = (q, k, v, g, gk, beta, initial_state)
+    return tuple(absent(q) if t is None else t.new_empty(t.shape) for t in like)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, _ = inputs
+    o, final, g_cum, ai = output
+    ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, cu_seqlens, g_cum, ai)
+    ctx.scale, ctx.output_final_state = scale, output_final_state
+    ctx.mark_non_differentiable(g_cum, ai)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for g_cum and ai
+
+
+def _backward(ctx, do, dht, _dg_cum, _dai):
+    q, k, v, g, gk, beta, initial_state, cu_seqlens, g_cum, ai = ctx.saved_tensors
+    if do is None:  # only the final state reached the loss
+        do = q.new_zeros(v.shape)
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dgk, dbeta, dh0 = gated_delta_rule_bwd(do, dht, q, k, v, g, gk, beta, ctx.scale,
+                                                           initial_state, cu_seqlens, g_cum, ai)
+    return (dq, dk, dv, present(dg, g is not None), present(dgk, gk is not None), dbeta, None,
+            present(dh0, initial_state is not None), None, None, None)
+
+
+gated_delta_rule_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flash_dma::gated_delta_rule_bwd_dhu", mutates_args=())
+def gated_delta_rule_bwd_dhu(q: Tensor, k: Tensor, w: Tensor, do: Tensor, dv: Tensor, g: Tensor | None,
+                             gk: Tensor | None, h0: Tensor | None, dht: Tensor | None, scale: float | None,
+                             cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    dh, dh0, dv2 = run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens)
+    return dh, absent(q) if dh0 is None else dh0, dv2
+
+
+@gated_delta_rule_bwd_dhu.register_fake
+def _gated_delta_rule_bwd_dhu_fake(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens):
+    B, T, _, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    if cu_seqlens is None:
+        dh = q.new_empty((B, ceil_div(T, CHUNK), HV, K, V))
+    else:  # the packed sequences' chunk count is read from cu_seqlens: data-dependent
+        dh = q.new_empty((1, torch.library.get_ctx().new_dynamic_size(), HV, K, V))
+    num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dh0 = q.new_empty((num_seqs, HV, K, V), dtype=torch.float32) if h0 is not None else absent(q)
+    return dh, dh0, torch.empty_like(as_rows(dv))

@@ -1,0 +1,124 @@
+"""The chunked gated delta rule under torch.compile(fullgraph=True, dynamic=True): the public
+functions trace as the custom ops flash_dma::gated_delta_rule_fwd/bwd and
+flash_dma::gated_delta_rule_bwd_dhu (custom_op.py) and give the eager results, gradients
+included; eagerly the autograd Function runs. opcheck tests the ops' registrations.
+
+aot_eager (AOTAutograd, no code generation) runs the real kernels: compiled and eager results
+are bitwise equal. fp32 inputs (the interpreter's 16-bit products are slow and bf16 wrong)."""
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from conftest import DEVICE
+from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
+from flash_dma.ops.gated_delta_rule.custom_op import gated_delta_rule_fwd
+from flash_dma.ops.gated_delta_rule.launch_table import keeps_inverse
+
+
+def _leaf(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32, requires_grad=True)
+
+
+def _assert_same(name, got, ref):
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    assert torch.equal(got, ref), f"{name}: differs from the eager call"
+
+
+def _check(compiled, fn, leaves):
+    ref = fn(*leaves)
+    ref_grads = torch.autograd.grad(ref, leaves)
+    got = compiled(*leaves)
+    grads = torch.autograd.grad(got, leaves)
+    _assert_same("loss", got, ref)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        _assert_same(f"grad of input {i}", g, r)
+
+
+def test_gates_and_states_fullgraph_dynamic():
+    """Scalar gate, initial and final state, qk l2norm, grouped value heads; K = V = 64, where the
+    forward keeps T and the gate cumsums for the backward (extra outputs of the forward op). A
+    second length runs through the same graph."""
+    B, H, HV, K, V = 1, 1, 2, 64, 64
+    assert keeps_inverse(K, V, False)
+
+    def loss(q, k, v, g_raw, beta_raw, h0):
+        o, final = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw),
+                                          initial_state=h0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+        return (o ** 2).sum() + (final * 0.5).sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
+    for T in (9, 14):
+        leaves = [_leaf(B, T, H, K), _leaf(B, T, H, K), _leaf(B, T, HV, V), _leaf(B, T, HV),
+                  _leaf(B, T, HV), _leaf(B, HV, K, V)]
+        _check(compiled, loss, leaves)
+    assert counter.frame_count == 1, f"{counter.frame_count} compilations for two lengths"
+
+
+def test_per_key_gate_varlen_fullgraph():
+    """Per-key gate gk alone (Kimi Delta Attention), packed sequences (cu_seqlens, one empty),
+    initial and final state."""
+    H, K, V = 1, 16, 16
+    lengths = [7, 0, 5]
+    T, n = sum(lengths), len(lengths)
+    cu = torch.tensor([0, 7, 7, 12], device=DEVICE, dtype=torch.int32)
+
+    def loss(q, k, v, gk_raw, beta_raw, h0):
+        o, final = chunk_gated_delta_rule(q, k, v, None, torch.sigmoid(beta_raw), initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu, gk=F.logsigmoid(gk_raw))
+        return o.sin().sum() + final.square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H, K), _leaf(1, T, H),
+              _leaf(n, H, K, V)]
+    _check(compiled, loss, leaves)
+
+
+def test_bwd_dhu_fullgraph_varlen():
+    """The public state-gradient pass with cu_seqlens: its chunk count is data-dependent (an
+    unbacked size in the fake implementation)."""
+    H, K, V = 1, 16, 16
+    cu = torch.tensor([0, 70, 75, 90], device=DEVICE, dtype=torch.int32)
+    T = 90
+    q, k, w = (torch.randn(1, T, H, K, device=DEVICE) for _ in range(3))
+    do, dv = (torch.randn(1, T, H, V, device=DEVICE) for _ in range(2))
+    h0 = torch.randn(3, H, K, V, device=DEVICE)
+
+    def run(q):
+        dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(q * 0.5, k, w, do, dv, h0=h0, cu_seqlens=cu)
+        return dh.sum(), dh0, dv2
+
+    ref = run(q)
+    torch._dynamo.reset()
+    got = torch.compile(run, backend="aot_eager", fullgraph=True, dynamic=True)(q)
+    for name, x, r in zip(("dh", "dh0", "dv2"), got, ref):
+        _assert_same(name, x, r)
+
+
+def test_custom_op_traced_only_under_compile():
+    q, k, v = _leaf(1, 8, 1, 16), _leaf(1, 8, 1, 16), _leaf(1, 8, 1, 16)
+    beta = torch.rand(1, 8, 1, device=DEVICE)
+    o, _ = chunk_gated_delta_rule(q, k, v, None, beta)
+    assert type(o.grad_fn).__name__ == "ChunkGatedDeltaRuleFunctionBackward"
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda q, k, v: chunk_gated_delta_rule(q, k, v, None, beta)[0],
+                  backend=recording_backend, fullgraph=True)(q, k, v)
+    assert "flash_dma.gated_delta_rule_fwd.default" in targets, targets
+
+
+def test_opcheck():
+    B, T, H, K, V = 1, 11, 1, 16, 16
+    q, k, v = _leaf(B, T, H, K), _leaf(B, T, H, K), _leaf(B, T, H, V)
+    g = F.logsigmoid(torch.randn(B, T, H, device=DEVICE)).requires_grad_()
+    beta = torch.rand(B, T, H, device=DEVICE).requires_grad_()
+    h0 = _leaf(B, H, K, V)
+    torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, g, None, beta, 0.25, h0, True, None, True))
