@@ -134,3 +134,23 @@ def test_gpu_split_equals_unsplit(name, chunks_per_segment):
         split = _results(inputs, cotangents, states, **kwargs)
     errors = check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
     assert all(e <= bound(k, dtype) for k, e in errors.items())
+
+
+def test_profile_log_names_the_split(monkeypatch, caplog):
+    import logging
+
+    from flash_dma.runtime import profile
+    monkeypatch.setenv("FLASH_DMA_PROFILE", "1")
+    profile.refresh()
+    try:
+        inputs = make_inputs(1, 40, 1, 1, 16, 16, torch.float16, "g", False)
+        with caplog.at_level(logging.INFO, logger="flash_dma"):
+            run_op(inputs, leaves_wanted=False)
+            with overrides(gdn_chunks_per_segment=2):
+                run_op(inputs, leaves_wanted=False)
+    finally:
+        monkeypatch.delenv("FLASH_DMA_PROFILE")
+        profile.refresh()
+    lines = [r.getMessage() for r in caplog.records if r.name == "flash_dma" and "pass=segments" in r.getMessage()]
+    assert any("choice=unsplit" in line for line in lines), lines
+    assert any("choice=chunks_per_segment=2" in line and "source=override" in line for line in lines), lines
