@@ -1,7 +1,7 @@
 """The `flash-dma` command.
 
     flash-dma bench [attention|gdn|dhu|decode|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
-    flash-dma tune [attention|gdn] [--quick]
+    flash-dma tune [attention|gdn|all] [--quick]
     flash-dma env [--attention SHAPE] [--gdn SHAPE]
 
 On a CUDA GPU: times each op beside its peers (those installed; a missing one is named in a note)
@@ -10,6 +10,10 @@ forward and backward), dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_
 (flash_dma_with_kvcache); all runs the four. Without a GPU it cannot time anything; it says so, runs a tiny
 correctness check of each op in Triton's CPU interpreter, and exits 0 if the check passed, 1 if
 not (with --json, the file records that nothing was timed and how the check ended).
+
+`tune` sweeps the launch configurations of each op's kernels on this GPU and stores the fastest
+in the tuning cache (flash_dma/benchmarks/tune.py); without a GPU it exits 1. `env` prints the
+device, the installed backends and peers, the tuning cache and, for a shape, each op's plan.
 """
 from __future__ import annotations
 
@@ -117,6 +121,24 @@ def _bench_without_gpu(args) -> int:
     return 0 if passed else 1
 
 
+def tune(args) -> int:
+    import torch
+    if not torch.cuda.is_available():
+        print("flash-dma tune: no CUDA GPU here, so launch configurations cannot be timed on this "
+              "machine; run it on the GPU that will run the kernels.", file=sys.stderr)
+        return 1
+    from .benchmarks import tune as sweep
+    from .runtime import tuning_cache
+    ops = sweep.OPS if args.op == "all" else (args.op,)
+    outcomes = sweep.run(ops, args.quick, _progress)
+    print(f"tuning cache: {tuning_cache.cache_dir() / 'tuning-v1.json'} "
+          f"(every timing in {tuning_cache.profile_log_file()})")
+    print("stored:")
+    for line in sweep.summary_lines(outcomes):
+        print("  " + line)
+    return 0 if any(o.best is not None for o in outcomes) else 1
+
+
 _PEERS = (("flash_attn.cute", "FlashAttention-4 (CuTe DSL)", "flash-attn-4"),
           ("cutlass", "CuTe DSL", "nvidia-cutlass-dsl"),
           ("flash_sparse_attn", "flash-sparse-attn", "flash-sparse-attn"),
@@ -172,8 +194,8 @@ def env(args) -> int:
                 from .ops.dynamic_mask_attention.plan import describe as describe_attention
                 lines = describe_attention(shape)
             else:
-                from .benchmarks.plans import describe
-                lines = describe(op, shape)
+                from .ops.gated_delta_rule.plan import describe as describe_gdn
+                lines = describe_gdn(shape)
             for line in lines:
                 print("  " + line)
     return 0
@@ -190,11 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")
     b.add_argument("--cases", metavar="LABELS", help="gdn: some cases of the op plan, by label, "
                    "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256')")
+    t = sub.add_parser("tune", help="sweep launch configurations on this GPU and store the fastest "
+                       "in the tuning cache")
+    t.add_argument("op", nargs="?", default="all", choices=("attention", "gdn", "all"))
+    t.add_argument("--quick", action="store_true", help="a few candidates per kernel (a few minutes)")
     e = sub.add_parser("env", help="device facts, installed backends and peers, tuning cache, and "
                        "what would run for a shape")
     e.add_argument("--attention", metavar="SHAPE", help="e.g. 'B=2 S=4096 H=16 Hk=16 D=128 "
                    "bias=B,H,S,S causal'")
-    e.add_argument("--gdn", metavar="SHAPE", help="e.g. 'B=1 T=32768 H=16 K=128 V=128'")
+    e.add_argument("--gdn", metavar="SHAPE", help="e.g. 'B=1 T=32768 H=16 HV=16 K=128 V=128 gk "
+                   "varlen' (gates: g unless gk is named; 'g gk' for both; N=<sequences> with varlen)")
     return parser
 
 
@@ -210,6 +237,8 @@ def main(argv=None) -> int:
         return bench(args)
     if args.command == "env":
         return env(args)
+    if args.command == "tune":
+        return tune(args)
     return 2
 
 

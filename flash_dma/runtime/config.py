@@ -3,7 +3,8 @@
 persistent tuning cache.
 
 Each op keeps its own table and its selection order beside its kernels (attention:
-ops/dynamic_mask_attention/launch_table.py; the gated delta rule: ops/gated_delta_rule/config.py).
+ops/dynamic_mask_attention/launch_table.py; the gated delta rule: ops/gated_delta_rule/launch_table.py),
+and its sweep candidates in tune.py beside it (flash-dma tune).
 In Triton's CPU interpreter small tiles are used so that small test shapes still cross blocks.
 """
 from __future__ import annotations
@@ -153,15 +154,16 @@ def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, v
 
 def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, variant: str,
          time_config: Callable[[LaunchConfig], float],
-         candidates: Iterable[LaunchConfig]) -> LaunchConfig:
+         candidates: Iterable[LaunchConfig], key: str | None = None) -> LaunchConfig:
     """Time each candidate with `time_config` (milliseconds), remember the fastest.
 
     The winner goes to the persistent cache, every timing to the profiling log. Candidates that
     fail to compile or launch (too much shared memory, too many registers) are skipped.
+    key: the cache key the op's launch table looks the winner up by (the delta rule keys its
+    passes its own way); by default `cache_key` of the other arguments.
     """
-    info = device_info(device)
-    block_d = head_dim_block(head_dim)
-    key = cache_key(kernel, info, block_d, dtype, variant)
+    if key is None:
+        key = cache_key(kernel, device_info(device), head_dim_block(head_dim), dtype, variant)
     best, best_ms = None, math.inf
     for cfg in candidates:
         try:

@@ -8,7 +8,7 @@
 plan.py.)
 
 A configuration is chosen, in order, from: an override (runtime.config.overrides(attn_fwd=
-LaunchConfig(...))), the persistent tuning cache (a sweep on this very GPU: bench/tune_attention.py),
+LaunchConfig(...))), the persistent tuning cache (a sweep on this very GPU: `flash-dma tune attention`, tune.py beside this file),
 this table (measured on Hopper), then fitted to the device's shared memory ("rule" where that
 changed it). Triton's CPU interpreter takes small tiles so that small test shapes cross blocks.
 select_config returns a runtime.config.Chosen naming that source; the plan carries it and the

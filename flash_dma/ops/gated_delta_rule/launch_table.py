@@ -4,8 +4,8 @@
 from, in this order:
   "override"      `runtime.config.overrides(gdn_<pass>=GdnConfig(...))` (sweeps, tests),
   "interpreter"   small tiles on the CPU, so that small test shapes cross tile boundaries,
-  "tuning cache"  an entry stored under gdn/<pass>/K<k>/V<v>/<GPU name> with
-                  flash_dma.runtime.tuning_cache.store, e.g. after a sweep on this GPU,
+  "tuning cache"  an entry stored under cache_key (gdn/<pass>/K<k>/V<v>/<GPU name>) by a sweep
+                  on this GPU (`flash-dma tune gdn`, tune.py beside this file),
   "table"         the defaults below, measured on Hopper (docs/perf/gated_delta_rule.md),
   "rule"          derived from the problem (head dims that leave tiles partly masked, the number
                   of sequential chains).
@@ -106,11 +106,16 @@ def choose(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
     return _choose_cuda(kernel, K, V, device, sequences_x_heads)
 
 
+def cache_key(kernel: str, K: int, V: int, device: torch.device) -> str:
+    """Where a sweep's winner for a pass is stored (flash-dma tune gdn) and looked up."""
+    return f"gdn/{kernel}/K{head_dim_block(K)}/V{head_dim_block(V)}/{device_info(device).name}"
+
+
 @remember_until_retuned
 def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int) -> Chosen:
     kp, vp = head_dim_block(K), head_dim_block(V)
     info = device_info(device)
-    hit = tuning_cache.lookup(f"gdn/{kernel}/K{kp}/V{vp}/{info.name}")
+    hit = tuning_cache.lookup(cache_key(kernel, K, V, device))
     if hit:
         return Chosen(GdnConfig(**hit), "tuning cache")
     cfg, source = _default(kernel, kp, vp), "table"

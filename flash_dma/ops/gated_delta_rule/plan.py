@@ -27,7 +27,7 @@ from ...runtime.hardware import DeviceInfo, device_info
 from ...runtime.profile import log_choice
 from . import launch_table
 from .launch_table import GdnConfig
-from .layout import ChunkLayout
+from .layout import CHUNK, ChunkLayout, chunk_layout
 
 OP = "gated_delta_rule"
 # The kernels of one backend live in ops/gated_delta_rule/<backend>/; "triton" is the one there is.
@@ -162,3 +162,52 @@ def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, 
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
                          {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, pairs)},
                          _chunks_per_segment())
+
+
+_PREPARE_PASSES = ("prepare", "prepare_t", "prepare_gk")
+
+
+def describe(shape: str, device: torch.device | None = None) -> list[str]:
+    """What would run for a shape such as 'B=1 T=32768 H=16 HV=16 K=128 V=128 gk varlen' (HV
+    defaults to H, K and V to 128; gates: g unless gk is named, 'g gk' for both; varlen packs
+    N=<sequences> (default 4) along T with B=1; dtype=fp16 or fp32, else bf16; no data is
+    allocated): the strategies, then one line per pass with its launch configuration and where
+    it came from. For `flash-dma env --gdn`."""
+    fields = dict(part.split("=", 1) if "=" in part else (part, "1") for part in shape.split())
+    known = {"B", "T", "H", "HV", "K", "V", "N", "g", "gk", "varlen", "dtype"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"shape: unknown field(s) {unknown} in {shape!r}; expected some of {sorted(known)}")
+    varlen = "varlen" in fields
+    B, T = int(fields.get("B", 1)), int(fields.get("T", 4096))
+    H = int(fields.get("H", 16))
+    HV, K, V = int(fields.get("HV", H)), int(fields.get("K", 128)), int(fields.get("V", 128))
+    has_gk = "gk" in fields
+    has_g = "g" in fields or not has_gk
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(fields.get("dtype", "bf16"), torch.bfloat16)
+    if varlen and B != 1:
+        raise ValueError(f"shape: varlen packs the sequences along T, so B must be 1, got B={B}")
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def stand_in(*size, dt=dtype):  # a tensor of the shape without memory behind it (stride 0)
+        return torch.empty((), device=device, dtype=dt).expand(*size)
+
+    q, v = stand_in(B, T, H, K), stand_in(B, T, HV, V)
+    if varlen:
+        N = int(fields.get("N", 4))
+        slots = -(-T // CHUNK) + N
+        layout = ChunkLayout(1, T, N, slots, slots, stand_in(N + 1, dt=torch.int32), None, None)
+    else:
+        layout = chunk_layout(B, T, None)
+    plan = plan_call(q, v, has_g, has_gk, layout)
+    lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
+             f"T kept for the backward: {plan.keep_inverse}"]
+    for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment"):
+        chosen = getattr(plan, name)
+        lines.append(f"{name}: {chosen.value} ({chosen.source})")
+    for pass_name, chosen in plan.launches.items():
+        if pass_name in _PREPARE_PASSES and pass_name != plan.prepare_pass:
+            continue  # another prepare kernel serves this call
+        lines.append(f"{pass_name}: {launch_table.config_name(chosen.value)} ({chosen.source})")
+    return lines

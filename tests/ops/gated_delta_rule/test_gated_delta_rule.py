@@ -3,7 +3,7 @@ each strategy of the plan, bad inputs."""
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES
+from conftest import DTYPES
 from helpers import TOLERANCE, rel_err
 from flash_dma import chunk_gated_delta_rule
 from flash_dma.ops.gated_delta_rule.reference import gated_delta_rule_reference

@@ -93,14 +93,13 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         if not CONSTANT_TERMS:  # the transition alone: no q^T do term
             state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
         # scale on do's rows too: do then reaches the MMA from registers in every mode, which
-        # measured faster than straight from its load when there is no gate (H200)
+        # measured faster than straight from its load when there is no gate
         elif BK > 128:
             # both products accumulate into the state itself: as `state += A - B` three [K, BV]
-            # fp32 tiles are live, which spilled at K = 256 (B2 T8192 H8 mode C 0.753 -> 0.387 ms
-            # this way, H200; bench/results/s10-probes-H200-20261121.txt)
+            # fp32 tiles are live, which spilled at K = 256
             state = tl.dot(tl.trans(qt), (dot_t * scale).to(dt), acc=state)
             state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
-        else:  # 1-2% faster up to K = 128 (the same probe)
+        else:  # faster up to K = 128
             state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
     if STORE_DH0:
         ptrs, mask = state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)

@@ -49,14 +49,13 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
     if not HAS_GK:
         # K K^T in a loop of its own, each operand from its own load: as `k_t @ k_t^T` inside the
         # loop above (one tile as both operands beside its other uses), Triton 3.6's pipeline on
-        # Hopper let dbeta and dg change from run to run (errors 1.6e-2 -> 4e-3 against fp64 at
-        # B1 T4096 H4 bf16 once separated; bench/results/s9-probes-H200-20261121.txt).
+        # Hopper let dbeta and dg change from run to run (and raised their errors against fp64).
         for k_start in range(0, K, BK):
             kcols = k_start + tl.arange(0, BK)
             k_rows = load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
             kkt += tl.dot(k_rows, tl.trans(load_tile(k, tok0, rows, H, head, K, kcols, n_valid)))
     # dA = -T^T dT T^T on the strict lower triangle, with 16-bit operands as the other products
-    # here (tf32 before: 1134 -> 1020 us at B8 T4096 H32, errors against fp64 unchanged; s11 probes)
+    # here (faster than tf32, errors against fp64 unchanged)
     tt_k = tl.trans(tmat).to(kdt)
     d_a = -tl.dot(tl.dot(tt_k, d_t.to(kdt)).to(kdt), tt_k)
     d_a = tl.where(rows[:, None] > rows[None, :], d_a, 0.0)
@@ -82,7 +81,7 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         kcols = k_start + tl.arange(0, BK)
         # dqkw's part of dk first: an elementwise operand, not pipelined like the product operands,
         # so its load latency overlaps the product below (the WY kernel's top stall where it was
-        # read after it; ncu, s11)
+        # read after it)
         dk_t = load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid).to(tl.float32)
         k_t = load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
         dw_t = load_tile(dw, tok0, rows, HV, hv, K, kcols, n_valid).to(kdt)

@@ -29,7 +29,7 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     (w = T diag(beta e^g) k, u = T diag(beta) v). That reads T, v and beta where the other form
     reads w and u (the same bytes at K = V) and spares the kernel that writes w and u, but adds a
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
-    programs run (gdn_config.states_from_inverse).
+    programs run (launch_table.states_from_inverse).
     With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
     head (gdn_chunk_cumsum_kernel writes it), with H = HV.
     Segments (segments.py) run it with STORE_STATES off (end state only, into ht), and for their
