@@ -7,7 +7,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              instead of one prepare kernel doing all, which spills;
   gdn_states_from_inverse    the forward's state pass forms w, u from T itself (no w, u in
                              memory) rather than reading those of the recompute kernel;
-  gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only).
+  gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only);
+  gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
+                             run side by side and joined (segments.py); None: not cut.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -37,6 +39,10 @@ declare_choice("gdn_states_from_inverse", None, (True, False),
                "the forward's state pass forms w and u from T (default: launch_table's rule)")
 declare_choice("gdn_backward_states_from_inverse", None, (True, False),
                "the backward's state pass forms v_new from T (default: launch_table's rule)")
+# Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
+# be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
+declare_choice("gdn_chunks_per_segment", None, (),
+               "chunks per segment of the state passes' sequence split (None: no split)")
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,19 @@ class DeltaRulePlan:
     states_from_inverse: Chosen  # bool, forward
     backward_states_from_inverse: Chosen  # bool
     launches: dict  # pass -> Chosen(GdnConfig); read-only by convention (the plan is shared)
+    chunks_per_segment: Chosen = Chosen(None, "table")  # int or None (sequences not cut)
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
         log_choice(OP, pass_name, self.backend, self.info, self.shape,
                    launch_table.config_name(chosen.value), chosen.source)
+        return chosen.value
+
+    def segment_chunks(self) -> int | None:
+        """Chunks per segment of the state passes, or None (not cut); logged like a launch."""
+        chosen = self.chunks_per_segment
+        name = "unsplit" if chosen.value is None else f"chunks_per_segment={chosen.value}"
+        log_choice(OP, "segments", self.backend, self.info, self.shape, name, chosen.source)
         return chosen.value
 
     @property
@@ -109,6 +123,14 @@ def _gates(has_g: bool, has_gk: bool) -> str:
     return "+".join(name for name, on in (("g", has_g), ("gk", has_gk)) if on) or "none"
 
 
+def _chunks_per_segment() -> Chosen:
+    chosen = choice("gdn_chunks_per_segment")
+    value = chosen.value
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"gdn_chunks_per_segment must be None or a positive int, got {value!r}")
+    return chosen
+
+
 def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) -> DeltaRulePlan:
     pairs = num_seqs * HV
     keep = launch_table.keeps_inverse(K, V, has_gk)
@@ -127,7 +149,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) ->
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
-                         forward_from_t, backward_from_t, launches)
+                         forward_from_t, backward_from_t, launches, _chunks_per_segment())
 
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
@@ -138,7 +160,8 @@ def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, 
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
-                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, pairs)})
+                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, pairs)},
+                         _chunks_per_segment())
 
 
 _PREPARE_PASSES = ("prepare", "prepare_t", "prepare_gk")
@@ -180,7 +203,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     plan = plan_call(q, v, has_g, has_gk, layout)
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
-    for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse"):
+    for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

@@ -7,6 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
+from ..segments import join_segments, segment_layout
 from .common import (
     CHUNK, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args, sequence_program,
     state_ptrs, store_tile
@@ -19,17 +20,25 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
                        HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
-                       STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
+                       STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
+                       DHT_IDENTITY: tl.constexpr = False):
     """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
     the state at the end of the chunk:
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
         D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
     q and k come already gated by gk (q e^gk, k e^(gk_last - gk): the public convention; the op
-    passes those of gdn_chunk_cumsum_kernel). BK covers all of K."""
+    passes those of gdn_chunk_cumsum_kernel). BK covers all of K.
+    Segments (segments.py) run it with STORE_STATES off (the gradient at the segment's start
+    only, into dh0), and for their transition with DHT_IDENTITY (the state starts as the
+    identity; V is then K) and CONSTANT_TERMS off (do and dv taken as zero and not read)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
-    state = initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
+    if DHT_IDENTITY:
+        state = tl.where(krows[:, None] == vcols[None, :], 1.0, 0.0)
+    else:
+        state = initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
     dt = q.dtype.element_ty
     num_chunks = tl.cdiv(seq_len, CHUNK)
     # dv is read one chunk ahead: without a gate the compiler folds the dv add into the MMA's
@@ -39,7 +48,8 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     # stalled the first MMA of the chunk).
     last = tl.maximum(num_chunks - 1, 0)  # a length-0 sequence loads nothing
     n_last = tl.minimum(seq_len - last * CHUNK, CHUNK).to(tl.int32)
-    dv_next = load_tile(dv, bos + last * CHUNK, rows, HV, hv, V, vcols, n_last)
+    if CONSTANT_TERMS:
+        dv_next = load_tile(dv, bos + last * CHUNK, rows, HV, hv, V, vcols, n_last)
     if HAS_GK:
         c_last_next = load_last_row(gk_cum, tl.maximum(bos + last * CHUNK + n_last - 1, 0), HV, hv, K, krows)
     for c_rev in range(0, num_chunks):
@@ -48,32 +58,43 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
         c_ahead = tl.maximum(c - 1, 0)
         n_ahead = tl.minimum(seq_len - c_ahead * CHUNK, CHUNK).to(tl.int32)
-        dvt = dv_next
-        dv_next = load_tile(dv, bos + c_ahead * CHUNK, rows, HV, hv, V, vcols, n_ahead)
+        if CONSTANT_TERMS:
+            dvt = dv_next
+            dv_next = load_tile(dv, bos + c_ahead * CHUNK, rows, HV, hv, V, vcols, n_ahead)
         if HAS_GK:
             c_last = c_last_next
             c_last_next = load_last_row(gk_cum, bos + c_ahead * CHUNK + n_ahead - 1, HV, hv, K, krows)
-        ptrs, mask = state_ptrs(dh, chunk0 + c, hv, HV, K, V, krows, vcols)
-        tl.store(ptrs, state.to(dh.dtype.element_ty), mask=mask)
-        qt = load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
+        if STORE_STATES:
+            ptrs, mask = state_ptrs(dh, chunk0 + c, hv, HV, K, V, krows, vcols)
+            tl.store(ptrs, state.to(dh.dtype.element_ty), mask=mask)
+        if CONSTANT_TERMS:
+            qt = load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
         kt = load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
         wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
-        dot_t = load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
+        if CONSTANT_TERMS:
+            dot_t = load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
         kd = tl.dot(kt, state.to(dt))
         if HAS_G:
             # (q e^g)^T do = q^T (e^g do): the gate goes on do's rows, q stays a plain load
             bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
             b_last = load_last(g_cum, tok0, HV, hv, n_valid)
             kd = kd * tl.exp(b_last - bt)[:, None]
-            dot_t = dot_t * tl.exp(bt)[:, None]
+            if CONSTANT_TERMS:
+                dot_t = dot_t * tl.exp(bt)[:, None]
             state = state * tl.exp(b_last)
         if HAS_GK:
             state = state * tl.exp(c_last)[:, None]
-        dv2t = dvt.to(tl.float32) + kd
-        store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
+        if CONSTANT_TERMS:
+            dv2t = dvt.to(tl.float32) + kd
+        else:
+            dv2t = kd
+        if STORE_STATES:
+            store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
+        if not CONSTANT_TERMS:  # the transition alone: no q^T do term
+            state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
         # scale on do's rows too: do then reaches the MMA from registers in every mode, which
         # measured faster than straight from its load when there is no gate
-        if BK > 128:
+        elif BK > 128:
             # both products accumulate into the state itself: as `state += A - B` three [K, BV]
             # fp32 tiles are live, which spilled at K = 256
             state = tl.dot(tl.trans(qt), (dot_t * scale).to(dt), acc=state)
@@ -89,18 +110,36 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
 # Launcher
 # ------------------------------------------------------------------------------------------------
 def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float):
-    """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv)."""
+    """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv).
+    With the plan's chunks_per_segment, segments run side by side as in the forward's state pass,
+    joined right to left (segments.py)."""
     B, T, HQ, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     dev = q.device
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
-    dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
     dv2 = torch.empty_like(dv)
     cfg = plan.launch("bwd_dhu")
-    cu, offsets = seq_args(layout)
-    launch(gdn_bwd_dhu_kernel, (ceil_div(V, cfg.block_v), layout.num_seqs * HV),
-           q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu, offsets, T, scale,
-           HQ=HQ, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
-           HAS_GK=gk_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
-           IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dh, dh0, dv2
+    per_segment = plan.segment_chunks()
+
+    def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, **flags):
+        launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
+               q, k, w, do, dv, g_cum, gk_cum, start, dh, end, dv2, cu, offsets, T, scale,
+               HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+               HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
+               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+
+    if per_segment is None:
+        dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
+        cu, offsets = seq_args(layout)
+        run(layout.num_seqs, cu, offsets, layout.is_varlen, dht, dh0)
+        return dh, dh0, dv2
+    seg = segment_layout(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
+    slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
+    local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
+    transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
+    run(*slots, None, local, STORE_STATES=False)
+    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
+    ends, dh0 = join_segments(transition, local, seg, dht, reverse=True)
+    del local, transition
+    run(*slots, ends, None)
+    return dh, dh0 if want_dh0 else None, dv2

@@ -7,6 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
+from ..segments import join_segments, segment_layout
 from .common import (
     CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
     sequence_program, state_ptrs, store_tile
@@ -18,7 +19,9 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr,
                      HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
-                     STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr):
+                     STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
+                     H0_IDENTITY: tl.constexpr = False):
     """One program per (V tile, sequence, head): the states h[c] at each chunk start and
     v_new = u - w h[c], chunk after chunk. BK covers all of K.
     With WU_FROM_T (scalar gate or none) w and u are not read: from the chunk's T,
@@ -28,16 +31,23 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
     programs run (launch_table.states_from_inverse).
     With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
-    head (gdn_chunk_cumsum_kernel writes it), with H = HV."""
+    head (gdn_chunk_cumsum_kernel writes it), with H = HV.
+    Segments (segments.py) run it with STORE_STATES off (end state only, into ht), and for their
+    transition M with H0_IDENTITY (the state starts as the identity; V is then K) and
+    CONSTANT_TERMS off (u, or v, taken as zero and not read)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
-    state = initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
+    if H0_IDENTITY:
+        state = tl.where(krows[:, None] == vcols[None, :], 1.0, 0.0)
+    else:
+        state = initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
     for c in range(0, tl.cdiv(seq_len, CHUNK)):
         tok0 = bos + c * CHUNK
         n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
-        ptrs, mask = state_ptrs(h, chunk0 + c, hv, HV, K, V, krows, vcols)
-        tl.store(ptrs, state.to(h.dtype.element_ty), mask=mask)
+        if STORE_STATES:
+            ptrs, mask = state_ptrs(h, chunk0 + c, hv, HV, K, V, krows, vcols)
+            tl.store(ptrs, state.to(h.dtype.element_ty), mask=mask)
         kt = load_tile(k, tok0, rows, H, head, K, krows, n_valid)
         if HAS_G:
             bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
@@ -46,12 +56,19 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
             kh = tl.dot(kt, state.to(kt.dtype))
             if HAS_G:
                 kh = kh * tl.exp(bt)[:, None]
-            vt = load_tile(v, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32)
-            vn = tl.dot(tmat.to(kt.dtype), ((vt - kh) * beta_t[:, None]).to(kt.dtype))
+            if CONSTANT_TERMS:
+                vt = load_tile(v, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32)
+                vn = tl.dot(tmat.to(kt.dtype), ((vt - kh) * beta_t[:, None]).to(kt.dtype))
+            else:
+                vn = tl.dot(tmat.to(kt.dtype), (-kh * beta_t[:, None]).to(kt.dtype))
         else:
             wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
-            vn = load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
-        store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
+            if CONSTANT_TERMS:
+                vn = load_tile(u, tok0, rows, HV, hv, V, vcols, n_valid).to(tl.float32) - tl.dot(wt, state.to(wt.dtype))
+            else:
+                vn = -tl.dot(wt, state.to(wt.dtype))
+        if STORE_STATES:
+            store_tile(v_new, vn, tok0, rows, HV, hv, V, vcols, n_valid)
         if HAS_G:
             b_last = load_last(g_cum, tok0, HV, hv, n_valid)
             vn = vn * tl.exp(b_last - bt)[:, None]
@@ -70,7 +87,10 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
 # ------------------------------------------------------------------------------------------------
 def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool):
     """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
-    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None)."""
+    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None).
+    With the plan's chunks_per_segment, every sequence is cut into segments run side by side:
+    each segment's end state from zero and its transition (from the identity), the join, then
+    every segment again from its true start (segments.py)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -79,13 +99,29 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
         ai = beta = None  # not read
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
     v_new = torch.empty_like(v)
-    final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
     cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
-    cu, offsets = seq_args(layout)
-    launch(gdn_fwd_h_kernel, (ceil_div(V, cfg.block_v), layout.num_seqs * HV),
-           k, w, u, v, beta, ai, g_cum, gk_cum, initial_state, h, v_new, final,
-           cu, offsets, T, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v,
-           HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=initial_state is not None,
-           STORE_HT=store_final, WU_FROM_T=from_inverse, IS_VARLEN=layout.is_varlen,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return h, v_new, final
+    per_segment = plan.segment_chunks()
+
+    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, **flags):
+        launch(gdn_fwd_h_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
+               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht,
+               cu, offsets, T, H=H, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v,
+               HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
+               STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+
+    if per_segment is None:
+        final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
+        cu, offsets = seq_args(layout)
+        run(layout.num_seqs, cu, offsets, layout.is_varlen, initial_state, final)
+        return h, v_new, final
+    seg = segment_layout(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
+    slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
+    local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
+    transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
+    run(*slots, None, local, STORE_STATES=False)
+    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True)
+    starts, final = join_segments(transition, local, seg, initial_state)
+    del local, transition
+    run(*slots, starts, None)
+    return h, v_new, final if store_final else None

@@ -1,0 +1,128 @@
+"""Sequence split of the gated delta rule's state passes: forward and forward + backward times of
+the unsplit op beside every forced chunks_per_segment, to derive the rule that picks the split
+(plan.py's gdn_chunks_per_segment, None today).
+
+    python bench/sweep_gdn_segments.py [--splits 2,4,8,16,32] [--shapes LABELS] [--kda]
+
+One process, bf16, K = V = 128, scalar gate g (--kda adds the per-key gate rows). Each split's
+outputs are checked against the unsplit call's first (relative norm error, printed), so a wrong
+split cannot pass as a fast one. Writes bench/results/gdn-segments-<device>-<date>.txt.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from flash_dma import chunk_gated_delta_rule  # noqa: E402
+from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
+from flash_dma.benchmarks.gdn import VARLEN_SEED, varlen_lengths  # noqa: E402
+from flash_dma.runtime.config import overrides  # noqa: E402
+
+# (label, B, T, H, packed lengths or None)
+SHAPES = [
+    ("B1 T8192 H16", 1, 8192, 16, None),
+    ("B1 T32768 H16", 1, 32768, 16, None),
+    ("B4 T4096 H16", 4, 4096, 16, None),
+    ("varlen T32768 H16", 1, 32768, 16, varlen_lengths(32768, VARLEN_SEED)),
+    ("varlen T8192 H16", 1, 8192, 16, varlen_lengths(8192, VARLEN_SEED)),
+]
+
+
+def make_inputs(B, T, H, lengths, per_key_gate, device="cuda", dtype=torch.bfloat16, K=128, V=128):
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device)
+
+    norm = torch.nn.functional.normalize
+    n = B if lengths is None else len(lengths)
+    x = {"q": norm(randn(B, T, H, K), dim=-1).to(dtype), "k": norm(randn(B, T, H, K), dim=-1).to(dtype),
+         "v": randn(B, T, H, V).to(dtype),
+         "g": torch.nn.functional.logsigmoid(randn(B, T, H) + 4),
+         "gk": torch.nn.functional.logsigmoid(randn(B, T, H, K) + 4) if per_key_gate else None,
+         "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
+         "initial_state": randn(n, H, K, V) * 0.1,
+         "do": randn(B, T, H, V).to(dtype), "dht": randn(n, H, K, V) * 0.1}
+    x["cu_seqlens"] = None if lengths is None else torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    return x
+
+
+def call(x, leaves=None):
+    a = leaves or x
+    return chunk_gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], gk=a["gk"],
+                                  initial_state=a["initial_state"], output_final_state=True,
+                                  cu_seqlens=x["cu_seqlens"])
+
+
+def fwd_bwd(x):
+    leaves = {n: x[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "gk", "beta", "initial_state")
+              if x[n] is not None}
+    o, final = call(x, {**x, **leaves})
+    grads = torch.autograd.grad([o, final], list(leaves.values()), [x["do"], x["dht"]])
+    return [o, final, *grads]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splits", default="2,4,8,16,32", help="chunks per segment, comma-separated")
+    parser.add_argument("--shapes", help="labels of SHAPES to run, comma-separated (default: all)")
+    parser.add_argument("--kda", action="store_true", help="also the per-key gate (g + gk)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_gdn_segments.py: no CUDA GPU here; nothing can be timed")
+    splits = [int(s) for s in args.splits.split(",")]
+    wanted = None if not args.shapes else set(args.shapes.split(","))
+    env = environment()
+    device = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+    lines = [f"== gated delta rule: state passes cut into segments (chunks_per_segment) ==",
+             f"device: {env['device']} ({env['sm_count']} SMs) | torch {env['torch']} | triton {env['triton']} | "
+             f"CUDA {env['cuda']} | {datetime.date.today():%Y-%m-%d} | bf16, K = V = 128, h0 + final state",
+             "ms: median of triton.testing.do_bench; speed-up against unsplit; err: max relative norm error of "
+             "the outputs and gradients against the unsplit call",
+             f"{'shape':<28} {'split':>7} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'err':>9}"]
+    print("\n".join(lines), flush=True)
+    for label, B, T, H, lengths in SHAPES:
+        if wanted and label not in wanted:
+            continue
+        for kda in ((False, True) if args.kda else (False,)):
+            x = make_inputs(B, T, H, lengths, kda)
+            name = label + (" KDA" if kda else "") + (f" ({len(lengths)} seqs)" if lengths else "")
+            base_fwd = base_all = None
+            reference = None
+            for split in [None] + splits:
+                with overrides(gdn_chunks_per_segment=split) if split else overrides():
+                    with torch.no_grad():
+                        fwd = time_ms(lambda: call(x))
+                    results = fwd_bwd(x)
+                    both = time_ms(lambda: fwd_bwd(x))
+                if split is None:
+                    base_fwd, base_all, reference, err = fwd, both, results, 0.0
+                else:
+                    err = max(rel_err(r, ref) for r, ref in zip(results, reference))
+                line = (f"{name:<28} {('none' if split is None else split):>7} {fwd:9.3f} {base_fwd / fwd:6.2f} "
+                        f"{both:11.3f} {base_all / both:6.2f} {err:9.1e}")
+                lines.append(line)
+                print(line, flush=True)
+                del results
+            del x, reference
+            torch.cuda.empty_cache()
+    out = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"gdn-segments-{device}-{datetime.date.today():%Y%m%d}.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
