@@ -62,7 +62,9 @@ def _case(name):
     return _UNSPLIT[name]
 
 
-@pytest.mark.parametrize("chunks_per_segment", [1, 2, 3])
+# 1: segments of one chunk; 3: a last segment shorter than a chunk (the cases' lengths end in a
+# partial chunk). The interpreter is slow: other counts run on the GPU.
+@pytest.mark.parametrize("chunks_per_segment", [1, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_split_equals_unsplit_and_reference(name, chunks_per_segment):
     states, dtype, extra = CASES[name][7], CASES[name][8], CASES[name][10]
