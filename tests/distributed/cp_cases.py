@@ -77,7 +77,7 @@ CPU_CASES = [
 GPU_CASES = [
     _gdr("gpu-gdr-varlen", "contiguous", T=32768, H=8, HV=8, K=128, V=128, gate="g", states=True,
          cu=[0, 1000, 20000, 20001, 32768]),
-    _gdr("gpu-gdr-gk", "contiguous", T=16384, H=4, HV=8, K=128, V=128, gate="gk", states=True,
+    _gdr("gpu-gdr-gk-zigzag", "zigzag", T=16384, H=4, HV=8, K=128, V=128, gate="gk", states=True,
          cu=[0, 3000, 16384]),
     _attn("gpu-attn-zigzag-causal-keywise", "zigzag", B=1, S=16384, H=16, Hk=4, D=128, causal=True, mask="key",
           bias="key"),

@@ -38,6 +38,8 @@ def run_rank(rank: int, world_size: int, init_file: str, out_dir: str, case_name
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120 if backend == "gloo" else 600))
     _poison_empty()
+    if backend == "gloo":
+        torch.set_num_threads(1)  # the ranks share the machine's cores
     results = {}
     try:
         for name in case_names:

@@ -23,10 +23,24 @@ SCALES = {torch.float16: (1.0, 2.0), torch.float32: (1.0, 2.0), torch.bfloat16: 
 _SINGLE: dict = {}  # (case, seed) -> the one-process outputs and gradients
 
 
+# The ranks run side by side: one thread each (BLAS threads that spin while they wait for work
+# multiply the CPU time of the interpreter's small matrix products on a shared machine).
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def _spawn(world_size: int, case_names: list[str], seed: int, tmp_path, backend: str) -> list[dict]:
     init_file = tmp_path / "init"
-    mp.spawn(cp_worker.run_rank, args=(world_size, str(init_file), str(tmp_path), case_names, seed, backend),
-             nprocs=world_size, join=True)
+    saved = {k: os.environ.get(k) for k in _ONE_THREAD}
+    os.environ.update(_ONE_THREAD)  # read by the spawned ranks as they start
+    try:
+        mp.spawn(cp_worker.run_rank, args=(world_size, str(init_file), str(tmp_path), case_names, seed, backend),
+                 nprocs=world_size, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -62,24 +76,23 @@ def _compare(case, ranks: list[dict], seed: int, device, dtype):
 _SEED = int.from_bytes(os.urandom(4), "little")
 
 
-@pytest.fixture(scope="module")
-def cpu_runs(request, tmp_path_factory):
-    """The CPU cases of a world size (the parameter) on that many gloo ranks, spawned once."""
-    if ON_GPU:
-        pytest.skip("the CPU runs (gloo, interpreter) are for machines without a GPU")
-    print(f"context-parallel seed {_SEED}")
-    world = request.param
-    names = [c.name for c in cp_cases.CPU_CASES if world in c.worlds]
-    return _spawn(world, names, _SEED, tmp_path_factory.mktemp(f"cp{world}"), "gloo")
-
-
 _RUNS = [(world, case) for world in (2, 3) for case in cp_cases.CPU_CASES if world in case.worlds]
+_SPAWNED: dict = {}  # world size -> every rank's results (spawned once per world size)
 
 
-@pytest.mark.parametrize("cpu_runs, case", _RUNS, indirect=["cpu_runs"],
-                         ids=[f"{w}-ranks-{c.name}" for w, c in _RUNS])
-def test_cp_matches_one_process(cpu_runs, case):
-    _compare(case, cpu_runs, _SEED, "cpu", cp_cases.dtype_for(case, False))
+def _cpu_runs(world: int, tmp_path_factory) -> list[dict]:
+    """The CPU cases of a world size on that many gloo ranks."""
+    if world not in _SPAWNED:
+        print(f"context-parallel seed {_SEED}")
+        names = [c.name for c in cp_cases.CPU_CASES if world in c.worlds]
+        _SPAWNED[world] = _spawn(world, names, _SEED, tmp_path_factory.mktemp(f"cp{world}"), "gloo")
+    return _SPAWNED[world]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU runs (gloo, interpreter) are for machines without a GPU")
+@pytest.mark.parametrize("world, case", _RUNS, ids=[f"{w}-ranks-{c.name}" for w, c in _RUNS])
+def test_cp_matches_one_process(world, case, tmp_path_factory):
+    _compare(case, _cpu_runs(world, tmp_path_factory), _SEED, "cpu", cp_cases.dtype_for(case, False))
 
 
 @pytest.mark.gpu
