@@ -27,6 +27,24 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dty
     return err
 
 
+def assert_as_accurate_as(name: str, x: torch.Tensor, peer: torch.Tensor, ref: torch.Tensor, factor: float = 2.0,
+                          floor: float = 1e-3, magnitude: float | None = None):
+    """x is at most `factor` times as far from the fp64 `ref` as `peer` is, where peer is the same
+    computation in eager PyTorch at x's precision (FlashAttention's test rule: a half-precision
+    result is judged by what that precision costs a plain implementation, not by a fixed bound).
+    magnitude: measure both errors against this norm instead of ref's."""
+    assert x.shape == ref.shape == peer.shape, f"{name}: shapes {tuple(x.shape)}, {tuple(peer.shape)}, {tuple(ref.shape)}"
+    scale = magnitude if magnitude is not None else ref.double().norm().item()
+    scale = scale if scale > 0 else 1.0
+    assert not torch.isnan(x).any(), f"{name}: NaN in the result"
+    err = (x.double() - ref.double()).norm().item() / scale
+    peer_err = (peer.double() - ref.double()).norm().item() / scale
+    bound = max(factor * peer_err, floor)
+    assert err <= bound, (f"{name}: relative error {err:.2e} > {bound:.1e} ({factor}x the eager peer's "
+                          f"{peer_err:.2e}, at least {floor:.0e})")
+    return err, peer_err
+
+
 def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor):
     """Same +inf pattern (rows with no visible key), finite entries close."""
     assert not torch.isnan(lse).any(), "NaN in lse"

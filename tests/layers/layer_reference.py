@@ -3,19 +3,20 @@ import torch
 import torch.nn.functional as F
 
 
-def double_params(layer):
-    """fp64 leaf copies of a layer's parameters, by name (gradients compare against the layer's)."""
-    return {n: p.detach().double().requires_grad_() for n, p in layer.named_parameters()}
+def double_params(layer, dtype=torch.float64):
+    """fp64 leaf copies of a layer's parameters, by name (gradients compare against the layer's).
+    dtype: another precision, for an eager peer that shows how much error the dtype alone costs."""
+    return {n: p.detach().to(dtype).requires_grad_() for n, p in layer.named_parameters()}
 
 
 def rotate(x, positions, theta):
-    """RoPE (half split) of x [B, S, H, D] at positions [B, S], fp64."""
+    """RoPE (half split) of x [B, S, H, D] at positions [B, S] (angles in fp64)."""
     D = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64, device=x.device) / D))
     ang = positions.double().unsqueeze(-1) * inv_freq
     ang = torch.cat([ang, ang], -1).unsqueeze(-2)
     x1, x2 = x.chunk(2, -1)
-    return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+    return x * ang.cos().to(x.dtype) + torch.cat([-x2, x1], -1) * ang.sin().to(x.dtype)
 
 
 def keep_mask(scores, keep, causal, key_ok=None):
@@ -46,7 +47,8 @@ def attention(q, k, v, bias, allowed, scale):
 
 
 def dma_reference(layer, P, x, real=None, selection_scores=None, extras=None):
-    """DynamicMaskAttention in fp64 with parameters P. real: [B, S] padding mask (None: all real).
+    """DynamicMaskAttention in fp64 with parameters P (or in P's dtype: the eager peer of a
+    half-precision test). real: [B, S] padding mask (None: all real).
     selection_scores [B, S, Hk]: the scores that choose the kept keys (the layer's own, so that
     rounding cannot flip a choice at the top-w boundary); the bias itself is computed here."""
     B, S, _ = x.shape
@@ -54,7 +56,7 @@ def dma_reference(layer, P, x, real=None, selection_scores=None, extras=None):
     if real is None:
         real = torch.ones(B, S, dtype=torch.bool, device=x.device)
     positions = (real.long().cumsum(1) - 1).clamp(min=0)
-    xd = x.double()
+    xd = x.to(P["q_proj.weight"].dtype)
     q = (xd @ P["q_proj.weight"].T).unflatten(-1, (H, D))
     k = (xd @ P["k_proj.weight"].T).unflatten(-1, (Hk, D))
     v = (xd @ P["v_proj.weight"].T).unflatten(-1, (Hk, D))
