@@ -50,7 +50,7 @@ def main(quick: bool, only: str | None) -> None:
             best = min(results)
             print(f"  best n{best[1]} w{best[2]} s{best[3]}: {best[0]:.4f} ms "
                   f"({default / best[0]:.2f}x the default)")
-        for splits in (1, 2, 4, 8, 16, 32):
+        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
             fn = ours_with_splits(case, x, splits)
             print(f"  splits {splits}: {time_ms(fn):.4f} ms", flush=True)
         del x
