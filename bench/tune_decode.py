@@ -5,7 +5,7 @@
 For each configuration of the decode benchmark's plan (full cache 8192 and 32768, B1 splits,
 key-wise top-1024, paged), times flash_dma_with_kvcache under every (block_n, num_warps,
 num_stages) and a few split counts, and prints the best beside the default. Nothing is stored:
-put the winners into flash_dma/ops/decode/plan.py by hand. --only keeps the configurations
+put the winners into flash_dma/ops/decode/plan.py by hand (its rule and KEYS_PER_SPLIT). --only keeps the configurations
 whose label contains TEXT (each setting compiles once per configuration: the whole sweep may
 not fit one 10-minute device call).
 """
@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from flash_dma.benchmarks.common import time_ms  # noqa: E402
 from flash_dma.benchmarks.decode import make_inputs, ours, sections  # noqa: E402
 from flash_dma.ops.decode import plan  # noqa: E402
+from flash_dma.runtime.config import LaunchConfig, overrides  # noqa: E402
 
 
 def main(quick: bool, only: str | None) -> None:
@@ -28,7 +29,6 @@ def main(quick: bool, only: str | None) -> None:
     for case in cases:
         x = make_inputs(case)
         run = ours(case, x)
-        plan.OVERRIDES.clear()
         default = time_ms(run)
         bytes_read = case.cache_bytes() if case.topk is None else None
         print(f"\n{case.label}: default {default:.4f} ms"
@@ -37,15 +37,18 @@ def main(quick: bool, only: str | None) -> None:
         for block_n, warps, stages in grid:
             if block_n * case.D * 2 * 2 * stages > 200 * 1024:
                 continue  # K and V tiles past the shared memory
-            plan.OVERRIDES.update(block_n=block_n, num_warps=warps, num_stages=stages)
+            default_plan = plan.plan_decode(x.q.device, batch=case.B, kv_heads=case.Hk,
+                                            packed_rows=case.H // case.Hk * case.Sq, max_keys=case.S,
+                                            head_dim=case.D, num_splits=None)
+            setting = LaunchConfig(default_plan.block_m, block_n, warps, stages)
             try:
-                ms = time_ms(run)
+                with overrides(**{plan.KERNEL: setting}):
+                    ms = time_ms(run)
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile or fit
                 print(f"  n{block_n} w{warps} s{stages}: failed ({type(exc).__name__})")
                 continue
             results.append((ms, block_n, warps, stages))
             print(f"  n{block_n} w{warps} s{stages}: {ms:.4f} ms", flush=True)
-        plan.OVERRIDES.clear()
         if results:
             best = min(results)
             print(f"  best n{best[1]} w{best[2]} s{best[3]}: {best[0]:.4f} ms "

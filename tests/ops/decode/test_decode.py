@@ -65,12 +65,10 @@ def test_split_counts(num_splits):
     check(q, k_cache, v_cache, dtype, cache_seqlens=lengths, num_splits=num_splits)
 
 
-def test_gpu_sized_tiles(monkeypatch):
+def test_gpu_sized_tiles():
     """The GPU's tile sizes (64 packed rows, 64 keys) in the interpreter: tiles that straddle
     pages of 16, a ragged last row block, gathered keys."""
-    from flash_dma.ops.decode import plan
-    monkeypatch.setitem(plan.OVERRIDES, "block_m", 64)
-    monkeypatch.setitem(plan.OVERRIDES, "block_n", 64)
+    from flash_dma.runtime.config import LaunchConfig, overrides
     dtype = DTYPES[-1]
     B, Sq, H, Hk, D, S_max = 2, 5, 16, 1, 32, 160  # 80 packed rows: two row blocks
     q = torch.randn(B, Sq, H, D, device=DEVICE, dtype=dtype)
@@ -80,8 +78,9 @@ def test_gpu_sized_tiles(monkeypatch):
     mask = torch.rand(B, 1, 1, S_max, device=DEVICE) < 0.7
     bias = torch.randn(B, H, 1, S_max, device=DEVICE, dtype=dtype)
     k_pages, v_pages, table = to_paged(k_cache, v_cache, 16)
-    check(q, k_pages, v_pages, dtype, k=k, v=v, cache_seqlens=lengths, block_table=table,
-          attn_mask=mask, attn_bias=bias, num_splits=2)
+    with overrides(decode_fwd=LaunchConfig(block_m=64, block_n=64, num_warps=1, num_stages=1)):
+        check(q, k_pages, v_pages, dtype, k=k, v=v, cache_seqlens=lengths, block_table=table,
+              attn_mask=mask, attn_bias=bias, num_splits=2)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1), (6, 3)])
@@ -468,6 +467,9 @@ def test_bench_plan_lists_the_issue_configurations():
 
 def test_split_plan():
     from flash_dma.ops.decode.plan import choose_splits
-    assert choose_splits(512, 512, 132) == 1          # B64 Hk8: the programs fill the GPU alone
-    assert 20 <= choose_splits(8, 512, 132) <= 33     # B1 Hk8: split the keys to fill it
-    assert choose_splits(8, 4, 132) == 1              # too few key tiles to split
+    # (programs, max_keys, block_n, SMs): about 2048 keys per split, one program per SM at least
+    assert choose_splits(512, 8192, 128, 132) == 4    # B64 Hk8, cache 8192 (the sweep's best)
+    assert choose_splits(512, 1024, 128, 132) == 1    # short caches walk whole
+    assert choose_splits(8, 32768, 128, 132) == 17   # B1 Hk8: the SMs ask a little more than 16
+    assert choose_splits(8, 256, 64, 132) == 1        # too few key tiles to split
+    assert choose_splits(1, 1 << 20, 128, 132) == 128  # capped
