@@ -276,7 +276,8 @@ def _decode(q, k_cache, v_cache, out, lse, lengths, cache_batch_idx, block_table
         walk_count = walk_index = dummy
         count_strides = index_strides = (0, 0)
     plan = plan_decode(device, batch=batch, kv_heads=kv_heads, packed_rows=group * seqlen_q,
-                       max_keys=capacity, head_dim=head_dim, num_splits=num_splits)
+                       max_keys=capacity, head_dim=head_dim, num_splits=num_splits,
+                       walk="gathered" if gather else ("paged" if block_table is not None else "contiguous"))
     split = plan.num_splits > 1
     if split:
         o_part = torch.empty((plan.num_splits, batch, heads, seqlen_q, head_dim),

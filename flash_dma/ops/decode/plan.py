@@ -15,13 +15,14 @@ from ...runtime.config import ceil_div, head_dim_block, overridden
 from ...runtime.hardware import device_info, interpreter_active
 
 MAX_SPLITS = 128
-# keys each split walks: the decode sweep (bench/tune_decode.py) found the best split count
-# at about this many keys per split both with few programs (B1, 8 kv heads, cache 32768: 16
-# splits) and with many (B64, cache 8192: 4 splits); longer walks leave loads in flight idle,
-# shorter ones pay the partial's write and merge (docs/perf/decode.md)
+# keys each split walks when the programs alone leave SMs idle: the decode sweep
+# (bench/tune_decode.py, docs/perf/decode.md) found B1 with 8 kv heads and a cache of 32768
+# fastest at 16 splits
 KEYS_PER_SPLIT = 2048
 # fewer key tiles than this per split and the partial's write and merge outweigh the parallelism
 MIN_TILES_PER_SPLIT = 4
+# programs per SM above which a split only adds the partials' write and merge (B64: one split)
+PROGRAMS_PER_SM = 2
 KERNEL = "decode_fwd"  # the name a LaunchConfig override uses (config.overrides(decode_fwd=...))
 
 
@@ -36,35 +37,40 @@ class DecodePlan:
 
 
 def choose_splits(programs: int, max_keys: int, block_n: int, sm_count: int) -> int:
-    """Splits of each program's key walk: about KEYS_PER_SPLIT keys per split, and at least one
-    program per SM when the programs alone are few, each split keeping MIN_TILES_PER_SPLIT tiles."""
+    """One split when the programs nearly fill the GPU; otherwise about KEYS_PER_SPLIT keys per
+    split, each split keeping MIN_TILES_PER_SPLIT tiles."""
+    if programs >= 0.8 * sm_count * PROGRAMS_PER_SM:
+        return 1
     key_tiles = max(ceil_div(max_keys, block_n), 1)
     most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
-    by_keys = ceil_div(max_keys, KEYS_PER_SPLIT)
-    by_occupancy = ceil_div(sm_count, max(programs, 1))
-    return max(1, min(most, max(by_keys, by_occupancy)))
+    return max(1, min(most, ceil_div(max_keys, KEYS_PER_SPLIT)))
 
 
 def plan_decode(device: torch.device, *, batch: int, kv_heads: int, packed_rows: int,
-                max_keys: int, head_dim: int, num_splits: int | None) -> DecodePlan:
+                max_keys: int, head_dim: int, num_splits: int | None, walk: str = "contiguous") -> DecodePlan:
     """packed_rows: query heads per kv head times query rows; max_keys: the longest the key walk
-    can be (the cache's capacity, or a key-wise mask's width), since the lengths live on the
-    device and are not read back."""
+    can be (the cache's capacity), since the lengths live on the device and are not read back;
+    walk: "contiguous", "paged" or "gathered" (a key-wise mask's kept keys)."""
     padded_d = head_dim_block(head_dim)
     override = overridden(KERNEL)
+    on_gpu = not interpreter_active() and device.type == "cuda"
+    sm_count = device_info(device).sm_count if on_gpu else 1
+    block_m = min(max(16, 1 << (packed_rows - 1).bit_length()), 64)
+    programs = batch * kv_heads * ceil_div(packed_rows, block_m)
     if override is not None:
         block_m, block_n, warps, stages = override.block_m, override.block_n, override.num_warps, override.num_stages
-    elif interpreter_active() or device.type != "cuda":
+    elif not on_gpu:
         block_m, block_n, warps, stages = 16, 16, 1, 1
+    elif padded_d <= 128:
+        # whole contiguous walks over many programs: 128-key tiles with 8 warps led the launch
+        # sweep; paged and gathered walks, and split ones, were fastest with 64 keys and 4 warps
+        wide = walk == "contiguous" and programs >= 0.8 * sm_count * PROGRAMS_PER_SM
+        block_n, warps, stages = (128, 8, 3) if wide else (64, 4, 3)
     else:
-        block_m = min(max(16, 1 << (packed_rows - 1).bit_length()), 64)
-        # 128-key tiles with 8 warps led the launch sweep at D 128; the wider head dims keep 32
-        block_n, warps = (128, 8) if padded_d <= 128 else (32, 4)
-        stages = 3 if padded_d <= 128 else 2
+        block_n, warps, stages = 32, 4, 2
     row_blocks = ceil_div(packed_rows, block_m)
     key_tiles = max(ceil_div(max_keys, block_n), 1)
     if num_splits is None or num_splits <= 0:
-        sm_count = device_info(device).sm_count
         splits = choose_splits(batch * kv_heads * row_blocks, max_keys, block_n, sm_count)
     else:
         splits = min(int(num_splits), key_tiles, MAX_SPLITS)

@@ -467,9 +467,8 @@ def test_bench_plan_lists_the_issue_configurations():
 
 def test_split_plan():
     from flash_dma.ops.decode.plan import choose_splits
-    # (programs, max_keys, block_n, SMs): about 2048 keys per split, one program per SM at least
-    assert choose_splits(512, 8192, 128, 132) == 4    # B64 Hk8, cache 8192 (the sweep's best)
-    assert choose_splits(512, 1024, 128, 132) == 1    # short caches walk whole
-    assert choose_splits(8, 32768, 128, 132) == 17   # B1 Hk8: the SMs ask a little more than 16
-    assert choose_splits(8, 256, 64, 132) == 1        # too few key tiles to split
-    assert choose_splits(1, 1 << 20, 128, 132) == 128  # capped
+    # (programs, max_keys, block_n, SMs)
+    assert choose_splits(512, 8192, 128, 132) == 1     # B64 Hk8: the programs fill the GPU alone
+    assert choose_splits(8, 32768, 64, 132) == 16      # B1 Hk8: 2048 keys per split (the sweep's best)
+    assert choose_splits(8, 256, 64, 132) == 1         # too few key tiles to split
+    assert choose_splits(1, 1 << 20, 64, 132) == 128   # capped
