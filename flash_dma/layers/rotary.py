@@ -21,11 +21,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"base: expected a positive frequency base, got {base!r}")
         self.rotary_dim = rotary_dim
         self.base = float(base)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Not a buffer: module.to(torch.bfloat16) casts floating buffers, and inverse frequencies
+        # rounded to bf16 turn the angle at position p by up to p * 2^-9 radians (4 at 2048)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotary_dim / 2 inverse frequencies in fp32, made once per device."""
+        table = self._inv_freq.get(device)
+        if table is None:
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+            table = self._inv_freq[device] = 1.0 / (self.base ** exponents)
+        return table
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos(), angles.sin()
 

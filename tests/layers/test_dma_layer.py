@@ -169,3 +169,18 @@ def test_gpu_real_size_bf16(causal):
     delta = extras["delta"]  # dL/dA: terms of both signs, measured against their size
     terms = (delta.grad * delta * extras["dt"]).abs().sum(dim=(0, 1))
     assert_as_accurate_as("A", params["A"].grad, P_peer["A"].grad, P["A"].grad, magnitude=terms.norm().item())
+
+
+def test_rotary_angles_survive_a_half_precision_cast():
+    """layer.to(torch.bfloat16) must not round the inverse frequencies: at position 2047 a bf16
+    rounding would turn the fastest channel by up to 4 radians."""
+    from flash_dma.layers import RotaryEmbedding
+    positions = torch.arange(2048, device=DEVICE)
+    exact = RotaryEmbedding(64)(positions)
+    cast = RotaryEmbedding(64).to(torch.bfloat16)(positions)
+    for a, b in zip(exact, cast):
+        assert b.dtype == torch.float32
+        assert (a - b).abs().max().item() < 1e-4
+    positions64 = positions.double().unsqueeze(-1)
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64, device=DEVICE) / 64))
+    assert (exact[0][:, :32].double() - (positions64 * freqs).cos()).abs().max().item() < 2e-3
