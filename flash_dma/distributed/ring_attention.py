@@ -328,9 +328,11 @@ class RingAttentionFunction(torch.autograd.Function):
             for piece in step.pieces:
                 problem, pq, pk, pv, pmask, pbias, _ = _lower_piece(plan, piece, q, block, mask, bias)
                 rows = (1, piece.row_start, piece.rows)
+                # (the backward reads its delta buffer with lse's strides: a packed slice)
+                piece_lse = lse.narrow(2, piece.row_start, piece.rows).contiguous()
                 gq, gk, gv, gbias = run_backward(
-                    next(forward_plans), pq, pk, pv, out.narrow(*rows), lse.narrow(2, piece.row_start, piece.rows),
-                    dout.narrow(*rows), pmask, pbias, want_dbias, plan.deterministic)
+                    next(forward_plans), pq, pk, pv, out.narrow(*rows), piece_lse, dout.narrow(*rows),
+                    pmask, pbias, want_dbias, plan.deterministic)
                 dq.narrow(*rows).add_(gq)
                 contribution[0].narrow(1, piece.key_start, piece.keys).add_(gk)
                 contribution[1].narrow(1, piece.key_start, piece.keys).add_(gv)
