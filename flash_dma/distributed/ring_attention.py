@@ -375,3 +375,25 @@ class RingAttentionFunction(torch.autograd.Function):
 def ring_flash_dma_func(q, k, v, mask, bias, plan: RingPlan):
     """-> (out, lse) of this rank's rows; inputs checked by cp_flash_dma_func."""
     return RingAttentionFunction.apply(q, k, v, mask, bias, plan)
+
+
+def ring_transfers_only(plan: RingPlan, k, v, mask=None, bias=None, backward: bool = True) -> None:
+    """The transfers of one ring call (forward, and with backward the second round with the
+    gradient accumulators) with no compute between them: the communication time of the
+    schedule alone, for benchmarks."""
+    block = plan.traveling(k, v, mask, bias)
+    grads = [torch.zeros(t.shape, device=t.device, dtype=torch.float32)
+             for t in (k, v) + ((bias,) if plan.bias_kind == "key" else ())]
+    for round_ in range(2 if backward else 1):
+        for step in plan.steps:
+            recv = [(block, step.recv_block_from)] if step.recv_block_from is not None else []
+            send = [(block, step.send_block_to)] if step.send_block_to is not None else []
+            received, works = _post(plan, send, recv)
+            if round_ == 1:
+                grad_recv = [(grads, p) for p in (step.recv_grad_from, step.recv_own_grad_from) if p is not None]
+                grad_send = [(grads, step.send_grad_to)] if step.send_grad_to is not None else []
+                _, grad_works = _post(plan, grad_send, grad_recv)
+                works = works + grad_works
+            _wait(works)
+            if received:
+                block = received[0]
