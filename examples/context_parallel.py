@@ -10,8 +10,8 @@ tokens (zigzag: chunks r and 2N-1-r of 2N, which balances causal attention), run
 backward with flash_dma.distributed (attention: the ring form by default, key/value blocks passed
 from rank to rank beside the compute; --form all_gather for the other), and all-reduces the
 parameter gradients over the group (as data parallelism would; each rank's gradient covers its
-own tokens). Each rank also runs the whole
-sequence in one process and compares: its output rows and every parameter gradient.
+own tokens). Each rank also runs the whole sequence in one process and compares: its output rows
+and every parameter gradient.
 """
 from __future__ import annotations
 
