@@ -1,14 +1,18 @@
 """Context parallelism on N GPUs: time of a forward + backward of each op on a sequence split N
-ways, against one GPU; weak-scaling efficiency and the all-gather's share.
+ways, against one GPU; weak-scaling efficiency, and for attention both forms (ring, all-gather)
+with the ring's communication/compute overlap.
 
     torchrun --nproc_per_node N bench/bench_context_parallel.py [--tokens-per-rank 32768] [--op gdr|attn]
 
 Gated delta rule (linear in the sequence): weak-scaling efficiency = t_1(S) / t_N(N S), S the
 tokens per rank. Causal attention (quadratic: each rank's work grows with N): efficiency =
 (t_1(N S) / N) / t_N(N S), the one-GPU time of the whole sequence shared out evenly, against the
-split time. "gather" is the all-gather of K/V (or of the exchanged states) forward + backward
-alone, timed on its own: where the all-gather form cannot overlap it with compute, its share of
-t_N is the communication cost. Prints one line per op and writes bench/results/cp-<GPU>-N<N>.json.
+split time. "comm alone": the all-gather of K/V (or of the exchanged states) forward + backward,
+or the ring's P2P transfers of both rounds, each timed on its own. "compute alone" (ring): the
+same calls with every transfer replaced by the rank's own block. "comm hidden" = 1 - (split -
+compute alone) / comm alone: the share of the ring's transfer time that ran beside its kernels
+(the all-gather form overlaps nothing: 0%). Prints a table and writes
+bench/results/cp-<GPU>-N<N>.json.
 """
 import argparse
 import json
@@ -24,6 +28,8 @@ import torch.nn.functional as F  # noqa: E402
 from flash_dma import chunk_gated_delta_rule, flash_dma_func  # noqa: E402
 from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, cp_flash_dma_func,  # noqa: E402
                                    gather_sequence, shard_sequence)
+from flash_dma.distributed.ring_attention import (make_ring_plan, ring_flash_dma_func,  # noqa: E402
+                                                  ring_transfers_only)
 
 
 def timed(fn, warmup: int = 2, iters: int = 5) -> float:
@@ -90,10 +96,13 @@ def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int):
         t_one = start.elapsed_time(end) / 1e3 / 5
     dist.barrier()
     return dict(op="gdr", tokens_per_rank=tokens, heads=heads, dim=dim, t_split=t_split, t_one_rank_tokens=t_one,
-                efficiency=None if t_one is None else t_one / t_split, t_gather=t_gather)
+                efficiency=None if t_one is None else t_one / t_split, t_comm_alone=t_gather)
 
 
 def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: int, dim: int, key_bias: bool):
+    """Causal attention on world * tokens, zigzag: both forms of cp_flash_dma_func, and for the ring
+    its compute alone (every transfer replaced by this rank's own block: the same calls) and its
+    transfers alone, whence the share of the transfers hidden behind compute."""
     total = tokens * world
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, total, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -102,10 +111,22 @@ def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: in
     bias = torch.randn(1, heads, 1, total, device="cuda", generator=gen, dtype=torch.bfloat16) if key_bias else None
     local = [leaf(shard_sequence(t, 1)) for t in (q, k, v)]
     local_bias = leaf(shard_sequence(bias, 3)) if key_bias else None
-    t_split = timed(fwd_bwd(lambda q_, k_, v_, b_: cp_flash_dma_func(q_, k_, v_, attn_bias=b_, is_causal=True),
-                            *local, local_bias))
-    t_gather = timed(fwd_bwd(lambda k_, v_: torch.cat(
+    times = {}
+    for form in ("ring", "all_gather"):
+        times[form] = timed(fwd_bwd(lambda q_, k_, v_, b_, f=form: cp_flash_dma_func(
+            q_, k_, v_, attn_bias=b_, is_causal=True, form=f), *local, local_bias))
+    times["gather"] = timed(fwd_bwd(lambda k_, v_: torch.cat(
         [gather_sequence(k_, 1), gather_sequence(v_, 1)], 2), local[1], local[2]))
+
+    def ring_plan(exchange: bool):
+        return make_ring_plan(None, world, rank, total, "zigzag", True, None, False, None, None, local_bias,
+                              "key" if key_bias else None, exchange=exchange)
+
+    compute_plan = ring_plan(False)
+    times["ring_compute"] = timed(fwd_bwd(lambda q_, k_, v_, b_: ring_flash_dma_func(
+        q_, k_, v_, None, b_, compute_plan), *local, local_bias))
+    transfer_plan = ring_plan(True)
+    times["ring_transfers"] = timed(lambda: ring_transfers_only(transfer_plan, local[1], local[2], None, local_bias))
     t_one = None
     if rank == 0:
         whole = [leaf(t) for t in (q, k, v)]
@@ -122,9 +143,18 @@ def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: in
         torch.cuda.synchronize()
         t_one = start.elapsed_time(end) / 1e3 / 3
     dist.barrier()
-    return dict(op="attention" + ("-keybias" if key_bias else ""), tokens_per_rank=tokens, heads=heads,
-                kv_heads=kv_heads, dim=dim, t_split=t_split, t_one_whole=t_one,
-                efficiency=None if t_one is None else t_one / world / t_split, t_gather=t_gather)
+    # exposed transfer time: what the ring takes beyond its compute; hidden: the rest of the
+    # transfers' own time
+    exposed = max(times["ring"] - times["ring_compute"], 0.0)
+    hidden = None if times["ring_transfers"] <= 0 else max(0.0, 1.0 - exposed / times["ring_transfers"])
+    name = "attention" + ("-keybias" if key_bias else "")
+    return [dict(op=name, form=form, tokens_per_rank=tokens, heads=heads, kv_heads=kv_heads, dim=dim,
+                 t_split=times[form], t_one_whole=t_one,
+                 efficiency=None if t_one is None else t_one / world / times[form],
+                 t_comm_alone=times["gather"] if form == "all_gather" else times["ring_transfers"],
+                 t_compute_alone=times["ring_compute"] if form == "ring" else None,
+                 comm_hidden=hidden if form == "ring" else 0.0)
+            for form in ("ring", "all_gather")]
 
 
 def main():
@@ -140,15 +170,19 @@ def main():
         results.append(bench_gdr(args.tokens_per_rank, world, rank, heads=16, dim=128))
     if args.op in ("attn", "both"):
         for key_bias in (False, True):
-            results.append(bench_attention(args.tokens_per_rank, world, rank, heads=32, kv_heads=8, dim=128,
-                                           key_bias=key_bias))
+            results += bench_attention(args.tokens_per_rank, world, rank, heads=32, kv_heads=8, dim=128,
+                                       key_bias=key_bias)
     if rank == 0:
         gpu = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
+        print(f"{'op':<18} {'form':<10} N  tokens/rank  split ms  efficiency  comm alone ms  compute alone ms  "
+              f"comm hidden")
         for r in results:
             eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
-            print(f"{r['op']:<18} N={world} {r['tokens_per_rank']} tokens/rank: split {r['t_split'] * 1e3:.2f} ms, "
-                  f"efficiency {eff}, gather fwd+bwd {r['t_gather'] * 1e3:.2f} ms "
-                  f"({100 * r['t_gather'] / r['t_split']:.0f}% of the split time)", flush=True)
+            comm = "n/a" if r.get("t_comm_alone") is None else f"{r['t_comm_alone'] * 1e3:.2f}"
+            compute = "n/a" if r.get("t_compute_alone") is None else f"{r['t_compute_alone'] * 1e3:.2f}"
+            hidden = "n/a" if r.get("comm_hidden") is None else f"{100 * r['comm_hidden']:.0f}%"
+            print(f"{r['op']:<18} {r.get('form', '-'):<10} {world:<2} {r['tokens_per_rank']:<12} "
+                  f"{r['t_split'] * 1e3:<9.2f} {eff:<11} {comm:<14} {compute:<17} {hidden}", flush=True)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cp-{gpu}-N{world}.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:

@@ -3,12 +3,15 @@ with a trainable key-wise bias) on one sequence split across N ranks, checked ag
 
     torchrun --nproc_per_node 2 examples/context_parallel.py            # NCCL, one GPU per rank, bf16
     torchrun --nproc_per_node 3 examples/context_parallel.py --cpu      # gloo, Triton's interpreter
+    torchrun --nproc_per_node 2 examples/context_parallel.py --form all_gather
 
 Every rank builds the same model (same seed) and the same global batch, keeps its shard of the
 tokens (zigzag: chunks r and 2N-1-r of 2N, which balances causal attention), runs forward and
-backward with flash_dma.distributed, and all-reduces the parameter gradients over the group (as
-data parallelism would; each rank's gradient covers its own tokens). Each rank also runs the whole
-sequence in one process and compares: its output rows and every parameter gradient.
+backward with flash_dma.distributed (attention: the ring form by default, key/value blocks passed
+from rank to rank beside the compute; --form all_gather for the other), and all-reduces the
+parameter gradients over the group (as data parallelism would; each rank's gradient covers its
+own tokens). Each rank also runs the whole sequence in one process and compares: its output rows
+and every parameter gradient.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=None, help="tokens of the whole sequence "
                    "(default: 8192 per rank on GPUs, 16 per rank on the CPU)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--form", default="ring", choices=["ring", "all_gather"],
+                   help="context-parallel attention form of cp_flash_dma_func (not --packed: varlen is all-gather)")
     p.add_argument("--packed", action="store_true",
                    help="three packed sequences instead of one (varlen attention, no bias)")
     return p.parse_args()
@@ -60,7 +65,7 @@ class HybridBlock(nn.Module):
         self.at_bias = nn.Linear(dim, heads, bias=False)
         self.at_out = nn.Linear(heads * head_dim, dim, bias=False)
 
-    def forward(self, x, cu_seqlens, max_len: int, cp_context=None, packed: bool = False):
+    def forward(self, x, cu_seqlens, max_len: int, cp_context=None, packed: bool = False, form: str = "ring"):
         T, H, D, Hk = x.shape[1], self.heads, self.head_dim, self.kv_heads
         q, k, v = self.dr_qkv(x).view(1, T, 3, H, D).unbind(2)
         q, k = F.normalize(q.float(), dim=-1).to(x.dtype), F.normalize(k.float(), dim=-1).to(x.dtype)
@@ -85,7 +90,7 @@ class HybridBlock(nn.Module):
                 o = flash_dma_func(q[None], k[None], v[None], attn_bias=bias, is_causal=True)[0]
             else:
                 o = cp_flash_dma_func(q[None], k[None], v[None], attn_bias=bias, is_causal=True,
-                                      group=cp_context.group, layout=cp_context.layout)[0]
+                                      group=cp_context.group, layout=cp_context.layout, form=form)[0]
         return x + self.at_out(o.reshape(1, T, H * D))
 
 
@@ -129,7 +134,7 @@ def main():
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    out_local = model(x_local, None, max_len, cp_context=ctx, packed=args.packed)
+    out_local = model(x_local, None, max_len, cp_context=ctx, packed=args.packed, form=args.form)
     loss = F.mse_loss(out_local.float(), target_local.float(), reduction="sum") / target.numel()
     loss.backward()
     trained = [(n, p) for n, p in model.named_parameters() if p.grad is not None]  # (--packed: no bias)
@@ -157,7 +162,8 @@ def main():
         errors[f"d{name}"] = rel_err(g, p.grad.float())
     worst = max(errors, key=lambda n: errors[n] if errors[n] == errors[n] else float("inf"))
     ok = all(e <= tol for e in errors.values())  # NaN fails
-    print(f"rank {rank}/{world} ({backend}, {dtype}, {seq_len} tokens, {args.layout}): "
+    form = "all_gather (varlen)" if args.packed else args.form
+    print(f"rank {rank}/{world} ({backend}, {dtype}, {seq_len} tokens, {args.layout}, {form}): "
           f"loss {total_loss.item():.6f} vs {ref_loss.item():.6f}; worst rel. error {worst} "
           f"{errors[worst]:.1e} (bound {tol:.0e}); step {cp_time * 1e3:.1f} ms split, "
           f"{one_time * 1e3:.1f} ms whole (first calls include compilation)", flush=True)

@@ -4,6 +4,7 @@ build_cp_context           packed sequences split over a process group (contiguo
 cp_chunk_gated_delta_rule  the gated delta rule on such a split
 cp_flash_dma_varlen_func   dynamic mask attention on such a split
 cp_flash_dma_func          dynamic mask attention on [B, S/W, ...] shards of equal-length batches
+                           (form="ring": P2P ring overlapped with compute; "all_gather")
 shard_sequence / gather_sequence  cut a global tensor into a rank's shard / join the shards back
 """
 from .attention import cp_flash_dma_func, cp_flash_dma_varlen_func, gather_sequence, shard_sequence

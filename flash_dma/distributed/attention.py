@@ -1,23 +1,26 @@
-"""Context parallelism of dynamic mask attention: the all-gather form.
+"""Context parallelism of dynamic mask attention: cp_flash_dma_func (two forms) and
+cp_flash_dma_varlen_func (the all-gather form).
 
 Each rank holds a shard of the sequence (context.py: contiguous, or zigzag: chunks r and
-2W - 1 - r of 2W, which balances causal work). Every rank all-gathers the keys and values (and a
-key-wise mask or bias, [B|1, H|Hk|1, 1, S_local], sharded with its keys) and computes its own
-query rows; the gather's backward reduce-scatters dk, dv and dbias of the key-wise bias back to
-their owners. A dense mask or bias is sharded by query rows ([.., S_local, S]: this rank's rows,
-every key in global order), so its dbias stays where it is. Causal: a chunk of queries at global
-offset o attends to the key prefix [0, o + len) with bottom-right aligned causal masking, which
-is exactly the global causal mask; one flash_dma_func call per local chunk. GQA: the Hk key and
-value heads are gathered as they are.
+2W - 1 - r of 2W, which balances causal work). A key-wise mask or bias, [B|1, H|Hk|1, 1, S_local],
+is sharded with its keys; a dense mask or bias is sharded by query rows ([.., S_local, S]: this
+rank's rows, every key in global order), so its dbias stays where it is. GQA: the Hk key and value
+heads travel as they are.
 
-This is the all-gather form of context parallelism, as Llama 3 training uses: simple, exact, and
-cheap where keys and values are small next to queries (GQA), but every rank holds the whole
-sequence's keys and values (2 S Hk D elements) and the gather is not overlapped with compute.
-A ring (ring attention) would instead pass key/value blocks from rank to rank with asynchronous
-P2P on a side stream while computing on the block in hand, merging partial outputs by their lse,
-and in backward pass dk/dv around the ring back to their owners: memory per rank stays at two
-blocks, communication hides behind compute at long sequences, and blocks that the mask leaves
-empty need be neither computed nor sent.
+form="ring" (ring_attention.py, the default): the key/value shards pass from rank to rank with
+asynchronous P2P while each rank computes its queries against the block in hand, merging partial
+outputs by their lse; in backward the blocks go round again with their dk, dv (and key-wise dbias)
+accumulators, which end at their owners. Memory per rank stays at two blocks, the transfers run
+beside the kernels, causal blocks in a rank's future are neither computed nor, where no later
+rank needs them, sent.
+
+form="all_gather": every rank all-gathers the keys and values (and the key-wise mask or bias) and
+computes its own query rows; the gather's backward reduce-scatters dk, dv and the key-wise dbias
+back to their owners. Causal: a chunk of queries at global offset o attends to the key prefix
+[0, o + len) with bottom-right aligned causal masking, which is exactly the global causal mask;
+one flash_dma_func call per local chunk. This is the form Llama 3 training uses: simple and cheap
+where keys and values are small next to queries (GQA), but every rank holds the whole sequence's
+keys and values (2 S Hk D elements) and the gather is not overlapped with compute.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ import torch
 from ..ops.dynamic_mask_attention import flash_dma_func, flash_dma_varlen_func
 from ..runtime.validation import check_tensor
 from .context import CPContext, gather_shards, group_info, shard, shard_ranges
+from .ring_attention import make_ring_plan, ring_flash_dma_func
+
+FORMS = ("ring", "all_gather")
 
 
 def shard_sequence(x: torch.Tensor, dim: int = 1, group=None, layout: str = "zigzag") -> torch.Tensor:
@@ -77,7 +83,8 @@ def _rows_and_keys(t: torch.Tensor | None, row_start: int, rows: int, keys: int)
 
 
 def cp_flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, softmax_scale=None,
-                      return_lse=False, deterministic=False, *, group=None, layout: str = "zigzag"):
+                      return_lse=False, deterministic=False, *, group=None, layout: str = "zigzag",
+                      form: str = "ring"):
     """flash_dma_func over a sequence sharded across the ranks of `group` (None: the default).
 
     q [B, S_local, H, D], k/v [B, S_local, Hk, D]: this rank's shard (shard_sequence with the
@@ -86,7 +93,11 @@ def cp_flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, 
     rank's keys), by query rows [B|1, H|Hk|1, S_local, S|1] (this rank's rows, every key in global
     order), or [.., 1, 1]. Returns this rank's rows of the output (and lse [B, H, S_local]).
     Gradients of k, v and a key-wise bias come back summed over the ranks that used them.
+    form: "ring" (P2P of key/value blocks overlapped with compute) or "all_gather" (see the
+    module docstring); both give the same result up to rounding.
     """
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dims=4)
     world_size, rank = group_info(group)
@@ -98,6 +109,11 @@ def cp_flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, 
     ranges = shard_ranges(total, world_size, rank, layout)
     kinds = {"attn_mask": _pair_kind("attn_mask", attn_mask, local, total),
              "attn_bias": _pair_kind("attn_bias", attn_bias, local, total)}
+    if form == "ring":
+        plan = make_ring_plan(group, world_size, rank, total, layout, is_causal, softmax_scale,
+                              deterministic, attn_mask, kinds["attn_mask"], attn_bias, kinds["attn_bias"])
+        out, lse = ring_flash_dma_func(q, k, v, attn_mask, attn_bias, plan)
+        return (out, lse) if return_lse else out
     to_gather = [k, v]
     dims = [1, 1]
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):

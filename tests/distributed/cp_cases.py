@@ -39,7 +39,8 @@ def _gdr(name, layout, worlds=(2, 3), **p):
 
 
 def _attn(name, layout, worlds=(2, 3), **p):
-    shards = {"q": 1, "k": 1, "v": 1, "o": 1}
+    """p["form"]: "ring" or "all_gather" (cp_flash_dma_func's form); the ring cases compare lse too."""
+    shards = {"q": 1, "k": 1, "v": 1, "o": 1, "lse": 2}
     for t in ("mask", "bias"):
         kind = p.get(t)
         if kind == "key":
@@ -65,11 +66,22 @@ CPU_CASES = [
     _gdr("gdr-zigzag-gva-separate-transition", "zigzag", worlds=(2,), T=48, H=1, HV=2, K=16, V=16, gate="g",
          states=False, max_state_columns=0, cu=[0, 48]),
     _attn("attn-zigzag-causal-keywise-gqa", "zigzag", B=2, S=48, H=2, Hk=1, D=16, causal=True, mask="key",
-          bias="key"),
+          bias="key", form="all_gather"),
     _attn("attn-zigzag-causal-dense", "zigzag", worlds=(2,), B=1, S=48, H=2, Hk=2, D=16, causal=True,
-          mask="dense", bias="dense"),
+          mask="dense", bias="dense", form="all_gather"),
     _attn("attn-contiguous-rows-fp32bias", "contiguous", worlds=(3,), B=1, S=48, H=2, Hk=1, D=16, causal=False,
-          mask="rows", bias="dense", bias_fp32=True),
+          mask="rows", bias="dense", bias_fp32=True, form="all_gather"),
+    # the ring: key-wise mask and bias traveling with their keys (zigzag: half blocks, two calls on
+    # the own block); a dense bias cut by the blocks' global columns (several calls per block);
+    # contiguous causal (blocks not sent past the last rank, gradients sent straight home)
+    _attn("ring-zigzag-causal-keywise-gqa", "zigzag", B=2, S=48, H=2, Hk=1, D=16, causal=True, mask="key",
+          bias="key", form="ring"),
+    _attn("ring-zigzag-causal-dense-fp32bias", "zigzag", worlds=(2,), B=1, S=48, H=2, Hk=2, D=16, causal=True,
+          mask="dense", bias="dense", bias_fp32=True, form="ring"),
+    _attn("ring-contiguous-causal-rows", "contiguous", worlds=(3,), B=1, S=48, H=2, Hk=1, D=16, causal=True,
+          mask="rows", bias="dense", form="ring"),
+    _attn("ring-zigzag-keywise-bias", "zigzag", worlds=(3,), B=1, S=48, H=2, Hk=2, D=16, causal=False,
+          bias="key", form="ring"),
     _attn_varlen("attn-varlen-zigzag-causal", "zigzag", T=48, H=2, Hk=1, D=16, causal=True),
     _attn_varlen("attn-varlen-contiguous", "contiguous", worlds=(2,), T=48, H=2, Hk=1, D=16, causal=False),
 ]
@@ -80,9 +92,14 @@ GPU_CASES = [
     _gdr("gpu-gdr-gk-zigzag", "zigzag", T=16384, H=4, HV=8, K=128, V=128, gate="gk", states=True,
          cu=[0, 3000, 16384]),
     _attn("gpu-attn-zigzag-causal-keywise", "zigzag", B=1, S=16384, H=16, Hk=4, D=128, causal=True, mask="key",
-          bias="key"),
+          bias="key", form="all_gather"),
     _attn("gpu-attn-zigzag-causal-dense", "zigzag", B=1, S=4096, H=8, Hk=8, D=128, causal=True, mask="dense",
-          bias="dense"),
+          bias="dense", form="all_gather"),
+    _attn("gpu-ring-zigzag-causal", "zigzag", B=1, S=8192, H=16, Hk=16, D=128, causal=True, form="ring"),
+    _attn("gpu-ring-zigzag-causal-keywise-gqa", "zigzag", B=1, S=8192, H=16, Hk=4, D=128, causal=True,
+          mask="key", bias="key", form="ring"),
+    _attn("gpu-ring-contiguous-dense", "contiguous", B=1, S=4096, H=8, Hk=8, D=128, causal=True, mask="dense",
+          bias="dense", form="ring"),
     _attn_varlen("gpu-attn-varlen-causal", "zigzag", T=32768, H=16, Hk=4, D=128, causal=True,
                  cu=[0, 1000, 20000, 20001, 32768]),
 ]
@@ -167,7 +184,8 @@ def run_single(case: Case, x: dict, device) -> dict:
                                           gk=x.get("gk"))
         return dict(o=o, final_state=final) if p["states"] else dict(o=o)
     if case.op == "attn":
-        return dict(o=flash_dma_func(x["q"], x["k"], x["v"], x.get("mask"), x.get("bias"), p["causal"]))
+        o, lse = flash_dma_func(x["q"], x["k"], x["v"], x.get("mask"), x.get("bias"), p["causal"], return_lse=True)
+        return dict(o=o, lse=lse)
     cu = torch.tensor(packed(case), dtype=torch.int32, device=device)
     lengths = [b - a for a, b in zip(packed(case), packed(case)[1:])]
     return dict(o=flash_dma_varlen_func(x["q"], x["k"], x["v"], cu, cu, max(lengths), max(lengths),
@@ -178,8 +196,9 @@ def run_cp(case: Case, x: dict, device, group=None) -> dict:
     """x: this rank's shards (and the replicated tensors)."""
     p = case.params
     if case.op == "attn":
-        return dict(o=cp_flash_dma_func(x["q"], x["k"], x["v"], x.get("mask"), x.get("bias"), p["causal"],
-                                        group=group, layout=case.layout))
+        o, lse = cp_flash_dma_func(x["q"], x["k"], x["v"], x.get("mask"), x.get("bias"), p["causal"],
+                                   return_lse=True, group=group, layout=case.layout, form=p["form"])
+        return dict(o=o, lse=lse)
     ctx = build_cp_context(torch.tensor(packed(case), dtype=torch.int32, device=device), group, case.layout)
     if case.op == "gdr" and "max_state_columns" in p:
         import flash_dma.distributed.gated_delta_rule as gdr_cp

@@ -13,6 +13,7 @@ from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, 
                                    cp_flash_dma_varlen_func)
 from flash_dma.distributed.context import plan_pieces, shard, shard_ranges
 from flash_dma.distributed.gated_delta_rule import join_layout, join_pieces
+from flash_dma.distributed.ring_attention import ring_schedules
 from flash_dma.ops.gated_delta_rule.segments import join_segments_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,48 @@ def test_shards_cover_the_sequence_once_and_assemble_back(world, layout):
     case = cp_cases.Case("t", "attn", layout, shards={"x": 1})
     parts = [shard(x, 1, world, r, layout) for r in range(world)]
     assert torch.equal(cp_cases.assemble(case, "x", parts), x.double())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("split_columns", [True, False])
+def test_ring_schedule_covers_every_visible_pair_once(world, layout, causal, split_columns):
+    """The ring's pieces over all ranks and steps: each (query, key) pair the global mask leaves
+    visible exactly once, nothing else; with split_columns each piece's keys are contiguous
+    globally; every send has its receive on the peer at the same step; a block's gradients end
+    at its owner."""
+    total = 4 * world
+    schedules = ring_schedules(total, world, layout, causal, split_columns)
+    seen = torch.zeros(total, total, dtype=torch.int64)
+    for r, steps in enumerate(schedules):
+        rows = [i for s, e in shard_ranges(total, world, r, layout) for i in range(s, e)]
+        for s, step in enumerate(steps):
+            assert step.block == (r - s) % world
+            keys = [j for a, b in shard_ranges(total, world, step.block, layout) for j in range(a, b)]
+            for p in step.pieces:
+                cols = keys[p.key_start:p.key_start + p.keys]
+                if split_columns:
+                    assert cols == list(range(p.column, p.column + p.keys))
+                for i in range(p.rows):
+                    for j in range(p.keys):
+                        if not p.causal or j <= i + p.keys - p.rows:  # bottom-right aligned
+                            seen[rows[p.row_start + i], cols[j]] += 1
+            # matching transfers: a block sent at step s is received by its peer at step s
+            if step.send_block_to is not None:
+                assert schedules[step.send_block_to][s].recv_block_from == r
+            if step.recv_block_from is not None:
+                assert schedules[step.recv_block_from][s].send_block_to == r
+                assert schedules[r][s + 1].pieces or schedules[r][s + 1].send_block_to is not None
+            if step.send_grad_to is not None:
+                peer = schedules[step.send_grad_to][s]
+                assert r in (peer.recv_grad_from, peer.recv_own_grad_from)
+                if peer.recv_own_grad_from == r:
+                    assert step.block == step.send_grad_to
+        own = [s for s, step in enumerate(steps) if step.recv_own_grad_from is not None]
+        assert len(own) <= 1 and (own or steps[0].send_grad_to is None)
+    want = torch.ones(total, total, dtype=torch.int64)
+    assert torch.equal(seen, torch.tril(want) if causal else want)
 
 
 def test_uneven_split_is_refused():
@@ -140,6 +183,8 @@ def test_bad_arguments_name_themselves(one_rank_group):
         cp_flash_dma_func(qa, qa, qa, attn_mask=torch.ones(1, 2, 8, 32, device=DEVICE, dtype=torch.bool))
     with pytest.raises(ValueError, match="k: expected this rank's 32 tokens"):
         cp_flash_dma_varlen_func(qa[0], qa[0, :8], qa[0, :8], ctx)
+    with pytest.raises(ValueError, match="form: expected one of"):
+        cp_flash_dma_func(qa, qa, qa, form="ring-attention")
 
 
 def test_one_rank_equals_the_plain_call(one_rank_group):
@@ -150,3 +195,25 @@ def test_one_rank_equals_the_plain_call(one_rank_group):
     got = cp_cases.run_cp(case, x, DEVICE)
     for name in ("o", "final_state"):
         assert rel_err(got[name].detach(), ref[name].detach()) < 1e-6, name
+
+
+@pytest.mark.parametrize("form", ["ring", "all_gather"])
+def test_one_rank_attention_equals_the_plain_call(one_rank_group, form):
+    """A group of one, both forms: the output, lse and every gradient of flash_dma_func."""
+    case = cp_cases._attn("one-rank-attn", "zigzag", worlds=(1,), B=1, S=32, H=2, Hk=1, D=16, causal=True,
+                          mask="key", bias="key", form=form)
+    x, w = cp_cases.make_inputs(case, 0, DEVICE, torch.float16)
+    ref = cp_cases.run_single(case, x, DEVICE)
+    cp_cases.loss_of(ref, w).backward()
+    want = {n: t.grad.clone() for n, t in x.items() if t.grad is not None}
+    for t in x.values():
+        t.grad = None
+    got = cp_cases.run_cp(case, x, DEVICE)
+    cp_cases.loss_of(got, w).backward()
+    assert torch.equal(torch.isinf(got["lse"]), torch.isinf(ref["lse"]))
+    finite = torch.isfinite(ref["lse"])
+    assert rel_err(got["lse"][finite], ref["lse"][finite]) < 1e-5
+    assert rel_err(got["o"].detach(), ref["o"].detach()) < 5e-3
+    assert set(want) == {"q", "k", "v", "bias"}
+    for name, g in want.items():
+        assert rel_err(x[name].grad, g) < 5e-3, name
