@@ -15,6 +15,7 @@ compute alone) / comm alone: the share of the ring's transfer time that ran besi
 bench/results/cp-<GPU>-N<N>.json.
 """
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -162,9 +164,12 @@ def main():
     p.add_argument("--tokens-per-rank", type=int, default=32768)
     p.add_argument("--op", choices=["gdr", "attn", "both"], default="both")
     args = p.parse_args()
-    dist.init_process_group("nccl")
+    # the device first and named to the group: NCCL otherwise guesses it from the rank, and a rank
+    # crashed at exit (SIGSEGV in teardown) without it
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     results = []
     if args.op in ("gdr", "both"):
         results.append(bench_gdr(args.tokens_per_rank, world, rank, heads=16, dim=128))
@@ -186,7 +191,11 @@ def main():
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cp-{gpu}-N{world}.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(dict(gpu=gpu, world=world, results=results), f, indent=1)
+            json.dump(dict(gpu=gpu, world=world, date=datetime.date.today().isoformat(),
+                           torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                           results=results), f, indent=1)
+    torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -102,8 +102,12 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main():
-    backend = "gloo" if args.cpu else "nccl"
-    dist.init_process_group(backend)
+    if args.cpu:
+        dist.init_process_group("gloo")
+    else:  # the device named to the group, so NCCL need not guess it from the rank
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.cpu:
         device, dtype = torch.device("cpu"), torch.float16  # the interpreter's attention takes fp16
