@@ -5,6 +5,11 @@ told apart) and as a per-kernel table (calls, total us), then do_bench medians o
 and of forward + backward, with the split's error against unsplit.
 
     python bench/profile_gdn_segments.py [--shape B,T,H] [--splits 16,32,64] [--budget 300] [--kda]
+        [--order] [--configs 16x4x3,32x4x3,64x4x3,64x8x2,128x8x2]
+
+--configs also runs every split under each forced launch configuration of the sequential passes
+(fwd_h, fwd_h_from_t, bwd_dhu), written BVxWARPSxSTAGES: the table picks those configurations
+from the number of chains (segments x heads), and this shows which the split wants.
 
 bf16, K = V = 128, scalar gate g, initial and final states. Each case runs in its own try, so one
 failure is reported and the rest go on; cases stop once --budget seconds have passed.
@@ -18,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -48,6 +54,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds; later cases are skipped")
     parser.add_argument("--kda", action="store_true", help="per-key gate too (g + gk)")
     parser.add_argument("--order", action="store_true", help="also print every kernel in launch order")
+    parser.add_argument("--configs", default="", help="BVxWARPSxSTAGES of the sequential passes, comma-separated")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_gdn_segments.py: no CUDA GPU here")
@@ -60,13 +67,22 @@ def main() -> int:
     x = make_inputs(B, T, H, None, args.kda)
     reference = None
     summary = []
-    for split in [None] + [int(s) for s in args.splits.split(",")]:
+    cases = [(split, None) for split in [None] + [int(s) for s in args.splits.split(",")]]
+    for config in filter(None, args.configs.split(",")):
+        bv, warps, stages = (int(n) for n in config.split("x"))
+        cases += [(int(s), (bv, warps, stages)) for s in args.splits.split(",")]
+    for split, config in cases:
         label = "unsplit" if split is None else f"cps{split}"
+        forced = {}
+        if config is not None:
+            label += " BV{}xW{}xS{}".format(*config)
+            cfg = GdnConfig(128, config[0], num_warps=config[1], num_stages=config[2])
+            forced = {"gdn_fwd_h": cfg, "gdn_fwd_h_from_t": cfg, "gdn_bwd_dhu": cfg}
         if time.time() - start > args.budget:
             print(f"-- {label}: skipped (budget of {args.budget:.0f} s spent)")
             continue
         try:
-            with overrides(gdn_chunks_per_segment=split) if split else overrides():
+            with overrides(gdn_chunks_per_segment=split, **forced) if split else overrides():
                 results = fwd_bwd(x)
                 err = 0.0 if reference is None else max(rel_err(r, e) for r, e in zip(results, reference))
                 if reference is None:
@@ -94,9 +110,9 @@ def main() -> int:
                 print(f"     {short(name):<48} {us:>10.1f} us")
         summary.append((label, fwd, both))
         sys.stdout.flush()
-    print("\ncase        fwd ms   fwd+bwd ms")
+    print(f"\n{'case':<24} {'fwd ms':>8} {'fwd+bwd ms':>10}")
     for label, fwd, both in summary:
-        print(f"{label:<10} {fwd:8.3f} {both:10.3f}")
+        print(f"{label:<24} {fwd:8.3f} {both:10.3f}")
     return 0
 
 

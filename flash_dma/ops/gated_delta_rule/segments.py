@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from ...runtime.config import ceil_div
-from ...runtime.hardware import interpreter_active
+from ...runtime.hardware import graph_capturing, interpreter_active
 from ...runtime.launch import launch
+from ...runtime.tensor_cache import TensorKeyedCache
 
 CHUNK = 64
 
@@ -94,6 +95,33 @@ def segment_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
     offsets = torch.where(used, chunk0[seq_c] + local * chunks_per_segment, 0) if n > 0 else slot * 0
     return SegmentLayout(bound, chunks_per_segment, seg_cu.contiguous(), offsets.to(torch.int32).contiguous(),
                          first.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous())
+
+
+# Segment layouts, built once and shared by the forward's state pass, the backward's recompute
+# and bwd_dhu, and by every layer of a step (each build is a dozen small launches of host time):
+# per (B, T, split, device) for equal lengths, per cu_seqlens object for packed sequences.
+_FIXED_LAYOUTS: dict = {}
+_VARLEN_LAYOUTS = TensorKeyedCache()
+
+
+def segments_of(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunks_per_segment: int,
+                device: torch.device) -> SegmentLayout:
+    """segment_layout, remembered (not while a CUDA graph is being captured: its tensors would
+    live in the graph's memory pool)."""
+    def build():
+        return segment_layout(batch, seq_len, cu_seqlens, chunks_per_segment, device)
+
+    if cu_seqlens is not None:
+        return _VARLEN_LAYOUTS.get(cu_seqlens, ("segments", seq_len, chunks_per_segment), build)
+    if graph_capturing(device):
+        return build()
+    key = (batch, seq_len, chunks_per_segment, device)
+    found = _FIXED_LAYOUTS.get(key)
+    if found is None:
+        if len(_FIXED_LAYOUTS) >= 64:  # varying shapes: bounded
+            _FIXED_LAYOUTS.clear()
+        found = _FIXED_LAYOUTS[key] = build()
+    return found
 
 
 @triton.jit
