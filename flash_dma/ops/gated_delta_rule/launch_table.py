@@ -40,13 +40,13 @@ for _name in PASSES:
 
 # Passes whose K tile must cover all of K (they hold a [K, BV] state or a full query tile).
 _FULL_K = ("fwd_h", "fwd_h_from_t", "bwd_dhu", "intra")
-_SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
+SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")  # one program per chain of chunks
 
 
 def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     """The Hopper table. The sequential passes are latency-bound: narrow V tiles (more programs
     in flight) with a deep load pipeline."""
-    if kernel in _SEQUENTIAL:
+    if kernel in SEQUENTIAL:
         return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
@@ -123,7 +123,7 @@ def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_
         # Partly masked 64-wide tiles: the table's configurations crashed on Triton 3.6 / Hopper
         # (an illegal address at K = 48, V = 32); these passed every GPU test.
         cfg, source = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2), "rule"
-    if kernel in _SEQUENTIAL and sequences_x_heads:
+    if kernel in SEQUENTIAL and sequences_x_heads:
         cfg, source = _sequential(kernel, kp, vp, sequences_x_heads, info.sm_count), "rule"
     if kernel == "intra":  # V tiles of 16 gave wrong outputs, and of 32 an out-of-bounds shared
         # memory read (K = 48, V = 32), on the H200 with Triton 3.6: 64 wide, masked beyond V

@@ -28,6 +28,7 @@ from ...runtime.profile import log_choice
 from . import launch_table
 from .launch_table import GdnConfig
 from .layout import CHUNK, ChunkLayout, chunk_layout
+from .segments import segment_bound
 
 OP = "gated_delta_rule"
 # The kernels of one backend live in ops/gated_delta_rule/<backend>/; "triton" is the one there is.
@@ -131,37 +132,50 @@ def _chunks_per_segment() -> Chosen:
     return chosen
 
 
+def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chunks_per_segment) -> int:
+    """The independent (sequence or segment, value head) chains of the state passes: what their
+    launch configurations and the states-from-T rule go by. Cut into segments, each segment is a
+    chain of its own (a few times more programs than sequences x heads)."""
+    if chunks_per_segment is None:
+        return num_seqs * HV
+    return segment_bound(B, T, num_seqs if varlen else None, chunks_per_segment) * HV
+
+
 def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) -> DeltaRulePlan:
+    segments = _chunks_per_segment()
     pairs = num_seqs * HV
+    chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
     keep = launch_table.keeps_inverse(K, V, has_gk)
     split = choice("gdn_split_prepare")
     if not keep:
         split = Chosen(False, "rule")
     forward_from_t = _strategy("gdn_states_from_inverse",
-                               lambda: launch_table.states_from_inverse(K, pairs, device, backward=False))
+                               lambda: launch_table.states_from_inverse(K, chains, device, backward=False))
     backward_from_t = _strategy("gdn_backward_states_from_inverse",
-                                lambda: launch_table.states_from_inverse(K, pairs, device, backward=True))
+                                lambda: launch_table.states_from_inverse(K, chains, device, backward=True))
     passes = ["prepare", "prepare_t", "recompute_wu", "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu",
               "bwd_dqkw", "bwd_wy"]
     if has_gk:
         passes += ["chunk_cumsum", "gated_pairs", "prepare_gk", "pair_grad", "gate_grad"]
-    launches = {name: launch_table.choose(name, K, V, device, pairs) for name in passes}
+    launches = {name: launch_table.choose(name, K, V, device,
+                                          chains if name in launch_table.SEQUENTIAL else pairs)
+                for name in passes}
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
-                         forward_from_t, backward_from_t, launches, _chunks_per_segment())
+                         forward_from_t, backward_from_t, launches, segments)
 
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
                  layout: ChunkLayout, has_g: bool, has_gk: bool) -> DeltaRulePlan:
     """The plan of a public chunk_gated_delta_rule_bwd_dhu call: its one pass."""
-    pairs = layout.num_seqs * HV
+    segments = _chunks_per_segment()
+    chains = _state_pass_pairs(B, T, HV, layout.num_seqs, layout.is_varlen, segments.value)
     off = Chosen(False, "rule")
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
-                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, pairs)},
-                         _chunks_per_segment())
+                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments)
 
 
 _PREPARE_PASSES = ("prepare", "prepare_t", "prepare_gk")

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from ...runtime.config import ceil_div
+from ...runtime.hardware import graph_capturing, interpreter_active
 from ...runtime.launch import launch
+from ...runtime.tensor_cache import TensorKeyedCache
 
 CHUNK = 64
 
@@ -48,6 +50,16 @@ class SegmentLayout:
     slot_count: torch.Tensor  # [N] int32 segments of each sequence (>= 1)
 
 
+def segment_bound(batch: int, seq_len: int, varlen_seqs: int | None, chunks_per_segment: int) -> int:
+    """Host-known upper bound on the segments (slots) of a call: B * ceil(T / segment) for equal
+    lengths; with varlen_seqs packed sequences, every sequence adds at most one partial segment,
+    and has at least one."""
+    seg_tokens = chunks_per_segment * CHUNK
+    if varlen_seqs is None:
+        return batch * max(ceil_div(seq_len, seg_tokens), 1)
+    return ceil_div(seq_len, seg_tokens) + varlen_seqs
+
+
 def segment_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
                    chunks_per_segment: int, device: torch.device) -> SegmentLayout:
     """Cut every sequence into segments of chunks_per_segment chunks (the last one shorter), on
@@ -60,15 +72,14 @@ def segment_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
         starts = torch.arange(batch, device=device, dtype=torch.int64) * seq_len
         lengths = torch.full((batch,), seq_len, device=device, dtype=torch.int64)
         chunk0 = torch.arange(batch, device=device, dtype=torch.int64) * nt
-        bound = batch * max(ceil_div(seq_len, seg_tokens), 1)
+        bound = segment_bound(batch, seq_len, None, chunks_per_segment)
         end_all = torch.full((1,), batch * seq_len, device=device, dtype=torch.int64)
     else:
         cu = cu_seqlens.to(torch.int64)
         starts, lengths = cu[:-1], cu[1:] - cu[:-1]
         chunk_counts = (lengths + CHUNK - 1) // CHUNK
         chunk0 = torch.cumsum(chunk_counts, 0) - chunk_counts
-        # every sequence adds at most one partial segment, and at least one segment
-        bound = ceil_div(seq_len, seg_tokens) + cu.numel() - 1
+        bound = segment_bound(1, seq_len, cu.numel() - 1, chunks_per_segment)
         end_all = cu[-1:]
     n = lengths.numel()
     counts = torch.clamp((lengths + seg_tokens - 1) // seg_tokens, min=1)
@@ -86,16 +97,47 @@ def segment_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
                          first.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous())
 
 
+# Segment layouts, built once and shared by the forward's state pass, the backward's recompute
+# and bwd_dhu, and by every layer of a step (each build is a dozen small launches of host time):
+# per (B, T, split, device) for equal lengths, per cu_seqlens object for packed sequences.
+_FIXED_LAYOUTS: dict = {}
+_VARLEN_LAYOUTS = TensorKeyedCache()
+
+
+def segments_of(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunks_per_segment: int,
+                device: torch.device) -> SegmentLayout:
+    """segment_layout, remembered (not while a CUDA graph is being captured: its tensors would
+    live in the graph's memory pool)."""
+    def build():
+        return segment_layout(batch, seq_len, cu_seqlens, chunks_per_segment, device)
+
+    if cu_seqlens is not None:
+        return _VARLEN_LAYOUTS.get(cu_seqlens, ("segments", seq_len, chunks_per_segment), build)
+    if graph_capturing(device):
+        return build()
+    key = (batch, seq_len, chunks_per_segment, device)
+    found = _FIXED_LAYOUTS.get(key)
+    if found is None:
+        if len(_FIXED_LAYOUTS) >= 64:  # varying shapes: bounded
+            _FIXED_LAYOUTS.clear()
+        found = _FIXED_LAYOUTS[key] = build()
+    return found
+
+
 @triton.jit
 def segment_join_kernel(transition, local, initial, starts, final, first_slot, slot_count,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr, BKR: tl.constexpr, HAS_INITIAL: tl.constexpr,
-                        REVERSE: tl.constexpr):
+                        REVERSE: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (V tile, sequence x head): walks the sequence's segments (right to left
     with REVERSE), storing each segment's starting state and ending with the sequence's final
-    state, S <- transition[slot] S + local[slot]. The running state lives in `final` between
-    steps: the product is formed in row blocks of BKR, which cannot be gathered back into one
-    register tile."""
+    state, S <- transition[slot] S + local[slot].
+    The products run on tensor cores (PRECISION tf32x3 on the GPU: fp32 accuracy; in fp32 FMAs
+    each thread held whole K rows of both operands, which spilled to local memory). With
+    BKR == BK the state stays in registers and the next step's loads depend only on the loop
+    index, so they are prefetched. With BKR < BK (K = 256: an fp32 [K, K] tile does not fit) the
+    product is formed in row blocks of BKR, which cannot be gathered back into one register
+    tile: the running state then goes through `final` between steps."""
     v_tile = tl.program_id(0)
     seq_hv = tl.program_id(1)
     seq = seq_hv // HV
@@ -119,17 +161,24 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
             slot = first + j
         base = (slot * HV + hv).to(tl.int64)
         tl.store(starts + base * K * V + tile_offs, state, mask=tile_mask)
-        for r0 in tl.static_range(0, BK, BKR):
-            rows = r0 + tl.arange(0, BKR)
-            row_mask = (rows < K)[:, None] & (vcols < V)[None, :]
-            acc = tl.load(local + base * K * V + rows[:, None] * V + vcols[None, :], mask=row_mask, other=0.0)
-            m = tl.load(transition + base * K * K + rows[:, None] * K + krows[None, :],
-                        mask=(rows < K)[:, None] & (krows < K)[None, :], other=0.0)
-            acc += tl.dot(m, state, input_precision="ieee")
-            tl.store(own + rows[:, None] * V + vcols[None, :], acc, mask=row_mask)
-        tl.debug_barrier()  # every row block stored before the whole state is read back
-        state = tl.load(own + tile_offs, mask=tile_mask, other=0.0)
-        tl.debug_barrier()  # read by every thread before the next step overwrites it
+        if BKR == BK:
+            acc = tl.load(local + base * K * V + tile_offs, mask=tile_mask, other=0.0)
+            m = tl.load(transition + base * K * K + krows[:, None] * K + krows[None, :],
+                        mask=(krows < K)[:, None] & (krows < K)[None, :], other=0.0)
+            state = tl.dot(m, state, acc=acc, input_precision=PRECISION)
+        else:
+            for r0 in tl.static_range(0, BK, BKR):
+                rows = r0 + tl.arange(0, BKR)
+                row_mask = (rows < K)[:, None] & (vcols < V)[None, :]
+                acc = tl.load(local + base * K * V + rows[:, None] * V + vcols[None, :], mask=row_mask,
+                              other=0.0)
+                m = tl.load(transition + base * K * K + rows[:, None] * K + krows[None, :],
+                            mask=(rows < K)[:, None] & (krows < K)[None, :], other=0.0)
+                acc = tl.dot(m, state, acc=acc, input_precision=PRECISION)
+                tl.store(own + rows[:, None] * V + vcols[None, :], acc, mask=row_mask)
+            tl.debug_barrier()  # every row block stored before the whole state is read back
+            state = tl.load(own + tile_offs, mask=tile_mask, other=0.0)
+            tl.debug_barrier()  # read by every thread before the next step overwrites it
     tl.store(own + tile_offs, state, mask=tile_mask)
 
 
@@ -138,22 +187,30 @@ def join_segments(transition: torch.Tensor, local: torch.Tensor, layout: Segment
     """transition [num_slots, HV, K, K] fp32 (each segment's M, or M^T for the backward), local
     [num_slots, HV, K, V] fp32 (each segment's end state from zero), initial [N, HV, K, V] or None
     (zeros). Returns (starts [num_slots, HV, K, V] fp32: each segment's true starting state, final
-    [N, HV, K, V] fp32: each sequence's end state)."""
+    [N, HV, K, V] fp32: each sequence's end state). Slots past the used ones keep no start (their
+    passes run no chunk and store nothing)."""
     slots, HV, K, V = local.shape
     n = layout.first_slot.numel()
-    starts = torch.zeros(slots, HV, K, V, device=local.device, dtype=torch.float32)
+    starts = torch.empty(slots, HV, K, V, device=local.device, dtype=torch.float32)
     final = torch.empty(n, HV, K, V, device=local.device, dtype=torch.float32)
     if n == 0:
         return starts, final
-    on_gpu = local.device.type == "cuda"
+    on_gpu = local.device.type == "cuda" and not interpreter_active()
     bk = max(16, triton.next_power_of_2(K))
-    bv = 16
-    bkr = min(64 if on_gpu else 16, bk)
+    if on_gpu:
+        # the whole [K, K] transition in one product up to K = 128 (8 warps hold it and its
+        # tf32x3 halves without spilling), row blocks of 64 beyond; V tiles of 32 keep a
+        # (sequence, head) pair's few programs reading each transition from L2
+        bkr = bk if bk <= 128 else 64
+        bv = min(32, max(16, triton.next_power_of_2(V)))
+        warps, stages, precision = (8 if bkr == bk else 4), (2 if bkr == bk else 1), "tf32x3"
+    else:
+        bkr, bv, warps, stages, precision = min(16, bk), 16, 1, 1, "ieee"
     launch(segment_join_kernel, (ceil_div(V, bv), n * HV),
            transition, local, initial if initial is not None else local, starts, final,
            layout.first_slot, layout.slot_count,
            HV=HV, K=K, V=V, BK=bk, BV=bv, BKR=bkr, HAS_INITIAL=initial is not None, REVERSE=reverse,
-           num_warps=4 if on_gpu else 1)
+           PRECISION=precision, num_warps=warps, num_stages=stages)
     return starts, final
 
 

@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import join_segments, segment_layout
+from ..segments import join_segments, segments_of
 from .common import (
     CHUNK, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args, sequence_program,
     state_ptrs, store_tile
@@ -133,7 +133,7 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
         cu, offsets = seq_args(layout)
         run(layout.num_seqs, cu, offsets, layout.is_varlen, dht, dh0)
         return dh, dh0, dv2
-    seg = segment_layout(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
+    seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)

@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import join_segments, segment_layout
+from ..segments import join_segments, segments_of
 from .common import (
     CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
     sequence_program, state_ptrs, store_tile
@@ -115,7 +115,7 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
         cu, offsets = seq_args(layout)
         run(layout.num_seqs, cu, offsets, layout.is_varlen, initial_state, final)
         return h, v_new, final
-    seg = segment_layout(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
+    seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
