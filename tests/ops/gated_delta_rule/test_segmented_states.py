@@ -65,7 +65,8 @@ def _case(name):
 # 1: segments of one chunk; 3: a last segment shorter than a chunk (the cases' lengths end in a
 # partial chunk). The interpreter is slow: other counts run on the GPU.
 @pytest.mark.parametrize("chunks_per_segment", [1, 3])
-@pytest.mark.parametrize("name", list(CASES))
+# under pytest-xdist (--dist loadgroup) a case's split counts share one worker: _case runs once
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"segments-{n}")) for n in CASES])
 def test_split_equals_unsplit_and_reference(name, chunks_per_segment):
     states, dtype, extra = CASES[name][7], CASES[name][8], CASES[name][10]
     inputs, cotangents, kwargs, unsplit, reference = _case(name)
