@@ -11,6 +11,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist the workers share the machine's cores: each takes its share of torch's
+# threads (idle threads that spin waiting for work multiply the CPU time of the interpreter's small
+# products when every core runs a worker).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The interpreter's bf16 tl.dot is wrong in Triton 3.6 (it multiplies raw bit patterns), so the CPU

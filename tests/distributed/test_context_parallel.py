@@ -93,8 +93,10 @@ def _cpu_runs(world: int, tmp_path_factory) -> list[dict]:
     return _SPAWNED[world]
 
 
+# Under pytest-xdist (--dist loadgroup) a world size's cases stay on one worker: one spawn each.
 @pytest.mark.skipif(ON_GPU, reason="the CPU runs (gloo, interpreter) are for machines without a GPU")
-@pytest.mark.parametrize("world, case", _RUNS, ids=[f"{w}-ranks-{c.name}" for w, c in _RUNS])
+@pytest.mark.parametrize("world, case", [pytest.param(w, c, marks=pytest.mark.xdist_group(f"cp-{w}-ranks"))
+                                         for w, c in _RUNS], ids=[f"{w}-ranks-{c.name}" for w, c in _RUNS])
 def test_cp_matches_one_process(world, case, tmp_path_factory):
     _compare(case, _cpu_runs(world, tmp_path_factory), _SEED, "cpu", cp_cases.dtype_for(case, False))
 

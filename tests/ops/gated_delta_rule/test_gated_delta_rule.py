@@ -55,7 +55,7 @@ def test_each_dtype(dtype):
 
 def test_fp32_inputs():
     dtype = torch.float32
-    inputs = make_inputs(1, 67, 1, 2, 16, 16, dtype, "g+gk", True)
+    inputs = make_inputs(1, 67, 1, 1, 16, 16, dtype, "g+gk", True)
     inputs["beta"] = inputs["beta"].float()
     check_against_reference(inputs, dtype)
 
@@ -67,7 +67,7 @@ def test_strong_per_key_decay(gate):
     overflow fp32 there (NaN once), so those K tiles take the exact per-row form. K = 32 makes
     both kinds meet in one call (16-wide K tiles in the interpreter)."""
     dtype = torch.float32
-    inputs = make_inputs(1, 70, 1, 2, 32, 16, dtype, gate, True)
+    inputs = make_inputs(1, 70, 1, 1, 32, 16, dtype, gate, True)
     inputs["beta"] = inputs["beta"].float()
     gk = inputs["gk"]
     gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(12.0, 20.0)
@@ -83,7 +83,7 @@ def test_fp32_beta_with_half_inputs():
 
 def test_qk_l2norm_in_kernel():
     dtype = DTYPES[-1]
-    inputs = make_inputs(1, 67, 2, 2, 32, 32, dtype, "g", False, normalize_k=False)
+    inputs = make_inputs(1, 67, 1, 1, 32, 32, dtype, "g", False, normalize_k=False)
     inputs["q"] = inputs["q"] * 3  # far from unit norm, so the normalisation matters
     check_against_reference(inputs, dtype, use_qk_l2norm_in_kernel=True)
 
@@ -98,12 +98,14 @@ def test_custom_scale_and_one_state(initial, final):
 VARLEN_LENGTHS = [1, 64, 0, 20, 50]  # a single token, exactly one chunk, an empty sequence
 
 
-@pytest.mark.parametrize("gate,cu_dtype,K,V", [("g", torch.int32, 16, 32), ("g+gk", torch.int64, 16, 32),
-                                               ("g", torch.int32, 64, 64)])
-def test_varlen(gate, cu_dtype, K, V):
+# grouped value heads with the scalar gate; the per-key gate (three times the interpreter's time)
+# on one value head
+@pytest.mark.parametrize("gate,cu_dtype,HV,K,V", [("g", torch.int32, 2, 16, 32), ("g+gk", torch.int64, 1, 16, 32),
+                                                  ("g", torch.int32, 2, 64, 64)])
+def test_varlen(gate, cu_dtype, HV, K, V):
     dtype = DTYPES[-1]
     cu = cu_from_lengths(VARLEN_LENGTHS, cu_dtype)
-    inputs = make_inputs(1, sum(VARLEN_LENGTHS), 1, 2, K, V, dtype, gate, True,
+    inputs = make_inputs(1, sum(VARLEN_LENGTHS), 1, HV, K, V, dtype, gate, True,
                          n_seqs=len(VARLEN_LENGTHS))
     check_against_reference(inputs, dtype, cu_seqlens=cu)
 
@@ -111,7 +113,7 @@ def test_varlen(gate, cu_dtype, K, V):
 def test_gradients_repeat():
     """Two backward passes over the same inputs agree (bit equality is not required)."""
     dtype = DTYPES[-1]
-    inputs = make_inputs(1, 67, 2, 2, 16, 16, dtype, "g+gk", True)
+    inputs = make_inputs(1, 67, 1, 1, 16, 16, dtype, "g+gk", True)
     results = []
     for _ in range(2):
         leaves, o, final = run_op(inputs, output_final_state=True)

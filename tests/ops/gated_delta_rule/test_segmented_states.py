@@ -13,17 +13,20 @@ from flash_dma.runtime.config import overrides
 
 from .cases import bound, check_dhu, check_errors, cu_from_lengths, dhu_inputs, make_inputs, run_op, run_reference
 
-CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None, extra overrides)
-    "g-h0-fp32": (2, 200, 1, 2, 16, 16, "g", True, torch.float32, None, {}),
-    "g-K!=V-fp16": (1, 200, 1, 2, 16, 32, "g", True, torch.float16, None, {}),
-    "gk-fp16": (1, 200, 1, 1, 16, 16, "gk", True, torch.float16, None, {}),
-    "g+gk-gva-fp32": (2, 150, 1, 2, 16, 16, "g+gk", True, torch.float32, None, {}),
-    "no-gate-no-states-fp16": (1, 130, 1, 1, 16, 16, "none", False, torch.float16, None, {}),
-    "varlen-g-fp16": (1, 406, 1, 2, 16, 16, "g", True, torch.float16, [1, 200, 0, 70, 5, 130], {}),
-    "varlen-g+gk-fp32": (1, 388, 1, 1, 16, 16, "g+gk", True, torch.float32, [130, 0, 1, 64, 193], {}),
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None, extra overrides, split counts)
+    # Split counts: 1, segments of one chunk; 3, a last segment shorter than a chunk (where a
+    # sequence has more than three chunks). The interpreter is slow (a per-key gate triples the
+    # cost): features share cases, and the GPU runs every case at more split counts.
+    "g-h0-gva-K!=V-fp32": (2, 200, 1, 2, 16, 32, "g", True, torch.float32, None, {}, (1, 3)),
+    "gk-fp16": (1, 130, 1, 1, 16, 16, "gk", True, torch.float16, None, {}, (1,)),
+    "g+gk-gva-fp32": (1, 200, 1, 2, 16, 16, "g+gk", True, torch.float32, None, {}, (3,)),
+    "no-gate-no-states-fp16": (1, 130, 1, 1, 16, 16, "none", False, torch.float16, None, {}, (1, 3)),
+    # long, exactly-one-chunk, single-token and empty sequences
+    "varlen-g+gk-fp32": (1, 328, 1, 1, 16, 16, "g+gk", True, torch.float32, [70, 0, 1, 64, 193], {}, (1, 3)),
     # the state passes reading w and u of the recompute kernel instead of forming them from T
     "K64-wu-recomputed-fp16": (1, 140, 1, 1, 64, 64, "g", True, torch.float16, None,
-                               {"gdn_states_from_inverse": False, "gdn_backward_states_from_inverse": False}),
+                               {"gdn_states_from_inverse": False, "gdn_backward_states_from_inverse": False},
+                               (1,)),
 }
 _UNSPLIT: dict = {}
 
@@ -47,7 +50,7 @@ def _results(inputs, cotangents, states, reference=False, **kwargs):
 def _case(name):
     """Inputs, cotangents, the unsplit op's results and the reference's (once per case)."""
     if name not in _UNSPLIT:
-        B, T, H, HV, K, V, gate, states, dtype, lengths, extra = CASES[name]
+        B, T, H, HV, K, V, gate, states, dtype, lengths, extra, _ = CASES[name]
         torch.manual_seed(0)
         n_seqs = None if lengths is None else len(lengths)
         inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=n_seqs)
@@ -62,10 +65,10 @@ def _case(name):
     return _UNSPLIT[name]
 
 
-# 1: segments of one chunk; 3: a last segment shorter than a chunk (the cases' lengths end in a
-# partial chunk). The interpreter is slow: other counts run on the GPU.
-@pytest.mark.parametrize("chunks_per_segment", [1, 3])
-@pytest.mark.parametrize("name", list(CASES))
+# under pytest-xdist (--dist loadgroup) a case's split counts share one worker: _case runs once
+@pytest.mark.parametrize("name, chunks_per_segment", [
+    pytest.param(name, per, marks=pytest.mark.xdist_group(f"segments-{name}"), id=f"{name}-{per}")
+    for name, case in CASES.items() for per in case[-1]])
 def test_split_equals_unsplit_and_reference(name, chunks_per_segment):
     states, dtype, extra = CASES[name][7], CASES[name][8], CASES[name][10]
     inputs, cotangents, kwargs, unsplit, reference = _case(name)
