@@ -207,7 +207,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     # The plan's choices set the kernels' constants; T only Triton's divisibility specialisation.
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
-               plan.chunks_per_segment.value)
+               plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
            layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)

@@ -148,6 +148,27 @@ def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
     return not has_gk and K % 64 == 0 and V % 64 == 0
 
 
+# The forward state passes' sequence split (segments.py), from bench/sweep_gdn_segments.py and
+# bench/profile_gdn_segments.py (docs/perf/gated_delta_rule.md): B1 T32768 H16 ran its forward
+# 1.20x faster cut into segments of 64 chunks, while T8192 (128 chunks) and 20 packed
+# sequences (320 chains) ran slower cut at every size; bwd_dhu ran slower cut everywhere.
+SEGMENT_CHUNKS = 64
+SEGMENT_MIN_CHUNKS = 256  # chunks of a sequence below which cutting did not pay
+SEGMENT_MAX_CHAINS_PER_SM = 0.25  # (sequences x heads) per SM above which it did not either
+
+
+def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device: torch.device) -> int | None:
+    """Chunks per segment of the forward state passes, or None (not cut): only where few
+    chains leave SMs idle along long sequences. Packed sequences are not cut by the rule (their
+    lengths live on the device)."""
+    if device.type != "cuda" or interpreter_active() or varlen:
+        return None
+    chunks = -(-seq_len // 64)
+    if chunks < SEGMENT_MIN_CHUNKS or sequences_x_heads > SEGMENT_MAX_CHAINS_PER_SM * device_info(device).sm_count:
+        return None
+    return SEGMENT_CHUNKS
+
+
 def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, backward: bool) -> bool:
     """Whether a state pass forms w and u from T (one more dependent product per chunk, which
     costs where few programs run) instead of reading them from the recompute kernel (bytes, which

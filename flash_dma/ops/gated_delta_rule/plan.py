@@ -59,6 +59,7 @@ class DeltaRulePlan:
     backward_states_from_inverse: Chosen  # bool
     launches: dict  # pass -> Chosen(GdnConfig); read-only by convention (the plan is shared)
     chunks_per_segment: Chosen = Chosen(None, "table")  # int or None (sequences not cut)
+    dhu_chunks_per_segment: Chosen = Chosen(None, "table")  # the same for bwd_dhu
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -66,11 +67,12 @@ class DeltaRulePlan:
                    launch_table.config_name(chosen.value), chosen.source)
         return chosen.value
 
-    def segment_chunks(self) -> int | None:
-        """Chunks per segment of the state passes, or None (not cut); logged like a launch."""
-        chosen = self.chunks_per_segment
+    def segment_chunks(self, pass_name: str = "fwd_h") -> int | None:
+        """Chunks per segment of a state pass ("fwd_h": the forward's and the backward's
+        recomputation; "bwd_dhu"), or None (not cut); logged like a launch."""
+        chosen = self.dhu_chunks_per_segment if pass_name == "bwd_dhu" else self.chunks_per_segment
         name = "unsplit" if chosen.value is None else f"chunks_per_segment={chosen.value}"
-        log_choice(OP, "segments", self.backend, self.info, self.shape, name, chosen.source)
+        log_choice(OP, f"{pass_name}.segments", self.backend, self.info, self.shape, name, chosen.source)
         return chosen.value
 
     @property
@@ -132,6 +134,18 @@ def _chunks_per_segment() -> Chosen:
     return chosen
 
 
+def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> tuple[Chosen, Chosen]:
+    """Chunks per segment of (the forward state passes, bwd_dhu): an override sets both; else
+    launch_table.forward_segments' rule cuts the forward passes only (bwd_dhu measured slower cut)."""
+    chosen = _chunks_per_segment()
+    if chosen.source == "override":
+        return chosen, chosen
+    rule = launch_table.forward_segments(num_seqs * HV, T, varlen, device)
+    if rule is None:
+        return chosen, chosen
+    return Chosen(rule, "rule"), Chosen(None, "rule")
+
+
 def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chunks_per_segment) -> int:
     """The independent (sequence or segment, value head) chains of the state passes: what their
     launch configurations and the states-from-T rule go by. Cut into segments, each segment is a
@@ -142,9 +156,10 @@ def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chun
 
 
 def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) -> DeltaRulePlan:
-    segments = _chunks_per_segment()
+    segments, dhu_segments = _segments(B, T, HV, num_seqs, varlen, device)
     pairs = num_seqs * HV
     chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
+    dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)
     keep = launch_table.keeps_inverse(K, V, has_gk)
     split = choice("gdn_split_prepare")
     if not keep:
@@ -158,12 +173,13 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) ->
     if has_gk:
         passes += ["chunk_cumsum", "gated_pairs", "prepare_gk", "pair_grad", "gate_grad"]
     launches = {name: launch_table.choose(name, K, V, device,
-                                          chains if name in launch_table.SEQUENTIAL else pairs)
+                                          (dhu_chains if name == "bwd_dhu" else chains)
+                                          if name in launch_table.SEQUENTIAL else pairs)
                 for name in passes}
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
-                         forward_from_t, backward_from_t, launches, segments)
+                         forward_from_t, backward_from_t, launches, segments, dhu_segments)
 
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
@@ -175,7 +191,7 @@ def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, 
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
-                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments)
+                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments, segments)
 
 
 _PREPARE_PASSES = ("prepare", "prepare_t", "prepare_gk")
@@ -217,7 +233,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     plan = plan_call(q, v, has_g, has_gk, layout)
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
-    for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment"):
+    for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
+                 "dhu_chunks_per_segment"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

@@ -118,3 +118,21 @@ def test_profile_log_names_each_pass_once(monkeypatch, caplog):
     expected += ("V=16", "choice=BK16_BV16_W1_S1", "source=interpreter") if on_cpu else ("choice=BK",)
     for field in expected:
         assert field in line, line
+
+
+@pytest.mark.gpu
+def test_forward_state_passes_cut_only_where_the_sweep_found_it_pays():
+    """One long sequence of few heads: the forward state passes are cut (launch_table's rule),
+    bwd_dhu is not; many chains or short sequences are not cut at all."""
+    from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+    from flash_dma.ops.gated_delta_rule.plan import plan_call
+
+    def plan(B, T, H):
+        q = torch.empty((), device=DEVICE, dtype=torch.bfloat16).expand(B, T, H, 128)
+        return plan_call(q, q, True, False, chunk_layout(B, T, None))
+
+    long = plan(1, 32768, 16)
+    assert (long.chunks_per_segment.value, long.chunks_per_segment.source) == (64, "rule")
+    assert long.dhu_chunks_per_segment.value is None
+    for B, T, H in ((1, 8192, 16), (4, 32768, 32)):
+        assert plan(B, T, H).chunks_per_segment.value is None

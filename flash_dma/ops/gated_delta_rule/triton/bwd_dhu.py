@@ -119,7 +119,7 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
     dv2 = torch.empty_like(dv)
     cfg = plan.launch("bwd_dhu")
-    per_segment = plan.segment_chunks()
+    per_segment = plan.segment_chunks("bwd_dhu")
 
     def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, **flags):
         launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
