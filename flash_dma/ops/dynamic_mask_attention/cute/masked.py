@@ -161,9 +161,10 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
 
 
 def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale: float,
-             dbias_mode: str | None):
+             dbias_mode: str | None, deterministic: bool = False):
     """Gradients of `forward` -> (dq, dk, dv, dbias or None). dbias_mode: None (no dbias),
-    "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None."""
+    "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None (so with
+    deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:
         dbias = torch.zeros_like(bias) if dbias_mode is not None else None
@@ -184,7 +185,8 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         dq, dk, dv = plain._fa4()._flash_attn_bwd(
             q, k, v, out, dout, lse.contiguous(), softmax_scale=softmax_scale,
             causal=causal and mask is None, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
-            mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=lists)[:3]
+            mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=lists,
+            deterministic=deterministic)[:3]
     dbias = None
     if buffer is not None:
         dbias = buffer if buffer.dtype == bias.dtype else buffer.to(bias.dtype)
