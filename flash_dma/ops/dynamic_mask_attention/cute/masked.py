@@ -155,8 +155,8 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
             q, k, v, softmax_scale=softmax_scale, causal=causal and mask is None,
             score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux,
             block_sparse_tensors=lists, return_lse=True)[:2]
-    if mask is not None or plain._may_have_empty_rows(q, k, causal, False):
-        plain._empty_rows_to_plus_inf(lse)
+    # rows with no visible key (the mask, causal with Sq > Sk, or a bias of -inf): FA4's -inf
+    plain._empty_rows_to_plus_inf(lse)
     return out, lse
 
 
