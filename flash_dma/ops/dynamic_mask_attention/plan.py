@@ -442,8 +442,9 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     bwd = plan_backward(fwd, q, mask, bias, bias is not None, False)
     lines = [f"backend {fwd.backend.value} ({fwd.backend.source})"]
     if isinstance(fwd, CutePlan) and isinstance(bwd, CutePlan):
-        what = "plain attention" if mask is None and bias is None else \
-            "our mask/bias hooks and tile lists"
+        what = ("plain attention" if mask is None and bias is None else
+                "our bias hooks" if mask is None else
+                "our mask hook and tile lists" + (", bias hooks" if bias is not None else ""))
         lines.append(f"forward and backward: FlashAttention-4's SM90 kernels ({what})")
         if bwd.dbias_reduce is not None:
             lines.append(f"dbias: {bwd.dbias_reduce}")
