@@ -10,7 +10,9 @@ FlexAttention, bf16, in one process.
     dv and dbias; bound 1e-2 (bf16).
 (b) Speed, B2 H16 S4096 D128 (triton.testing.do_bench medians, L2 flushed): plain, dense bias
     [B,H,S,S] with dbias, 1/8 of 128x128 tiles kept (mask alone and with the dense bias); CuTe vs
-    Triton vs FlexAttention (score_mod bias, BlockMask), and CuTe with every tile kept. The
+    Triton vs FlexAttention (score_mod bias, BlockMask), and CuTe with every tile kept. Then a
+    key-wise top-1024 mask at B1 H16 S16384 causal, which the plan keeps on Triton (gathered
+    keys): CuTe (cute/masked.py called directly) beside it, to judge that choice. The
     forward is timed alone, the backward as torch.autograd.grad of a kept graph. Each timed call
     is also checked against the fp64 reference on batch 0, heads 0-1. Ratios printed: bias cost
     over plain (forward, backward), Flex/CuTe, all-tiles/1-in-8.
@@ -53,12 +55,13 @@ GRID_KINDS = {
     "bias key-wise": (None, lambda B, H, Hk, Sq, Sk: (B, H, 1, Sk)),
     "mask full": (lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), None),
     "mask [1,Hk] + bias full": (lambda B, H, Hk, Sq, Sk: (1, Hk, Sq, Sk), lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk)),
-    "mask key-wise [B,Hk,1,Sk]": (lambda B, H, Hk, Sq, Sk: (B, Hk, 1, Sk), None),
+    "mask key-wise per head [B,H,1,Sk]": (lambda B, H, Hk, Sq, Sk: (B, H, 1, Sk), None),
     "mask query-wise + bias [1,H]": (lambda B, H, Hk, Sq, Sk: (B, 1, Sq, 1), lambda B, H, Hk, Sq, Sk: (1, H, Sq, Sk)),
     "empty rows/blocks + bias": ("empty", lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk)),
 }
 GRID_DIMS = {128: list(GRID_KINDS), 64: ["bias full", "mask [1,Hk] + bias full", "empty rows/blocks + bias"],
-             256: ["bias full", "mask [1,Hk] + bias full", "mask key-wise [B,Hk,1,Sk]", "empty rows/blocks + bias"]}
+             256: ["bias full", "mask [1,Hk] + bias full", "mask key-wise per head [B,H,1,Sk]",
+                   "empty rows/blocks + bias"]}
 
 
 @contextlib.contextmanager
@@ -229,6 +232,60 @@ def speed_row(label, fields, names, deadline):
     return row
 
 
+def keywise_row(deadline):
+    """Key-wise top-1024 keys per kv head... per head here (H = Hk), causal, B1 H16 S16384 D128:
+    Triton (the plan's choice, gathered keys) vs the CuTe hooks path called directly."""
+    from flash_dma import topk_mask_from_bias
+    from flash_dma.benchmarks.common import time_ms
+    from flash_dma.ops.dynamic_mask_attention.cute import masked
+    B, S, H, D = 1, 16384, 16, 128
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
+    mask = topk_mask_from_bias(torch.randn(B, H, 1, S, device="cuda"), 1024, is_causal=True)
+    row = {"case": "key-wise top-1024 S16384 causal"}
+    s = (slice(0, 1), slice(None), slice(0, 1))
+    ref = reference(q[s], k[s], v[s], mask[:1, :1], None, True, dout[s])
+    for name in ("triton", "cute-direct", "cute-no-mask"):
+        if time.monotonic() > deadline:
+            row[name] = {"error": "skipped (time budget)"}
+            continue
+        try:
+            if name == "triton":
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+                def fwd():
+                    with backend("triton"):
+                        return flash_dma_func(*leaves, attn_mask=mask, is_causal=True)
+                out = fwd()
+                grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+                fwd_ms = time_ms(fwd)
+                bwd_ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+            else:
+                m = mask if name == "cute-direct" else None
+                kw = dict(causal=True, softmax_scale=D ** -0.5)
+                if m is None:
+                    from flash_dma.ops.dynamic_mask_attention.cute import plain
+                    out, lse = plain.forward(q, k, v, **kw)
+                    grads = plain.backward(dout, q, k, v, out, lse, **kw)
+                    fwd_ms = time_ms(lambda: plain.forward(q, k, v, **kw))
+                    bwd_ms = time_ms(lambda: plain.backward(dout, q, k, v, out, lse, **kw))
+                else:
+                    out, lse = masked.forward(q, k, v, m, None, **kw)
+                    grads = masked.backward(dout, q, k, v, out, lse, m, None, dbias_mode=None, **kw)[:3]
+                    fwd_ms = time_ms(lambda: masked.forward(q, k, v, m, None, **kw))
+                    bwd_ms = time_ms(lambda: masked.backward(dout, q, k, v, out, lse, m, None,
+                                                             dbias_mode=None, **kw))
+            errs = {}
+            if name != "cute-no-mask":
+                errs = {"out": rel_err(out[s], ref[0])}
+                errs.update({n: rel_err(g[s], r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref[2:5])})
+            row[name] = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "errors": errs, "backends": name}
+        except Exception as exc:
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                         "trace": traceback.format_exc()[-2000:]}
+        torch.cuda.empty_cache()
+    return row
+
+
 def fmt_errs(errs):
     return " ".join(f"{k} {v:.1e}" for k, v in errs.items())
 
@@ -309,6 +366,21 @@ def main(argv=None) -> int:
                     problems.append(f"speed {label} {name}: errors {fmt_errs(r['errors'])}")
                 say(f"  {label:<28} {name:<15} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "
                     f"fwd+bwd {r['fwd_ms'] + r['bwd_ms']:8.3f} ms  [{r['backends']}] {fmt_errs(r['errors'])}")
+        if time.monotonic() < deadline:
+            row = keywise_row(deadline)
+            speed.append(row)
+            for name in ("triton", "cute-direct", "cute-no-mask"):
+                r = row[name]
+                if "error" in r:
+                    problems.append(f"speed {row['case']} {name}: {r['error']}")
+                    say(f"  {row['case']:<28} {name:<15} FAILED {r['error']}")
+                    continue
+                if r["errors"] and worst(r["errors"]) > BOUND:
+                    problems.append(f"speed {row['case']} {name}: errors {fmt_errs(r['errors'])}")
+                say(f"  {row['case']:<28} {name:<15} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "
+                    f"fwd+bwd {r['fwd_ms'] + r['bwd_ms']:8.3f} ms  {fmt_errs(r['errors'])}")
+        else:
+            problems.append("speed key-wise top-1024: skipped (time budget)")
         say("\n-- ratios (above 1: the first named is slower / costs more) --")
         by = {row["case"]: row for row in speed}
 
@@ -326,6 +398,13 @@ def main(argv=None) -> int:
             for what in ("fwd", "bwd", "both"):
                 ratio(f"Flex / CuTe, {case} ({what})", ms(case, "flex", what), ms(case, "cute", what))
                 ratio(f"Triton / CuTe, {case} ({what})", ms(case, "triton", what), ms(case, "cute", what))
+        for what in ("fwd", "bwd", "both"):
+            ratio(f"CuTe (direct) / Triton, key-wise top-1024 ({what})",
+                  ms("key-wise top-1024 S16384 causal", "cute-direct", what),
+                  ms("key-wise top-1024 S16384 causal", "triton", what))
+            ratio(f"CuTe unmasked / Triton key-wise top-1024 ({what})",
+                  ms("key-wise top-1024 S16384 causal", "cute-no-mask", what),
+                  ms("key-wise top-1024 S16384 causal", "triton", what))
         for case in ("1/8 tiles", "1/8 tiles + bias[B,H,S,S]"):
             for what in ("fwd", "bwd"):
                 ratio(f"CuTe all tiles / CuTe 1-in-8, {case} ({what})", ms(case, "cute-all-tiles", what),

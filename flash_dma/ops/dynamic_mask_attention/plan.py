@@ -208,8 +208,10 @@ class CutePlan:
 def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
     forced = overridden("attention_backend")
     requested = forced if forced is not None else requested_backend()
+    key_wise = (mask is not None and requested != "triton"
+                and sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads) == sparsity.KV_GATHERED)
     name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
-                                  q.dtype, pb.is_varlen, requested)
+                                  q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise)
     if name != "cute" and requested == "cute":
         profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
     return Chosen(name, ("override, " if forced is not None else "") + reason)

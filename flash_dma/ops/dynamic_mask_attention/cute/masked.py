@@ -36,12 +36,17 @@ BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
-                varlen: bool) -> str | None:
+                varlen: bool, key_wise_mask: bool = False) -> str | None:
     """None when this path computes the forward of such a call; else why not (device and
-    software not looked at)."""
+    software not looked at). key_wise_mask: the mask is one the Triton backend walks by gathered
+    keys (sparsity.KV_GATHERED): it costs O(Sq * kept keys) there, while FA4 computes every tile
+    holding a kept key, so such masks stay on Triton."""
     what = "mask and bias" if has_mask and has_bias else ("mask" if has_mask else "bias")
     if varlen:
         return f"the CuTe backend has no varlen path with a {what} yet"
+    if has_mask and key_wise_mask:
+        return ("a key-wise mask runs on the Triton backend's gathered keys (O(Sq * kept keys)); "
+                "the CuTe backend would compute every tile holding a kept key")
     if dtype not in plain.PLAIN_DTYPES:
         return f"the CuTe backend takes fp16 or bf16, not {dtype}"
     if head_dim not in MASKED_HEAD_DIMS:

@@ -37,7 +37,8 @@ def requested_backend(environ=None) -> str:
 
 
 def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
-                   varlen: bool, requested: str | None = None) -> tuple[str, str]:
+                   varlen: bool, requested: str | None = None,
+                   key_wise_mask: bool = False) -> tuple[str, str]:
     """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
     FLASH_DMA_BACKEND. The CuTe backend serves plain attention (fixed length and varlen) and
     fixed-length attention with a mask and/or bias (cute/masked.py says which)."""
@@ -50,7 +51,7 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     layout = "varlen" if varlen else "fixed-length"
     # what the CuTe path lacks is known without importing the CuTe stack: asked first
     gap = feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype,
-                      varlen=varlen)
+                      varlen=varlen, key_wise_mask=key_wise_mask)
     if requested == "cute":
         availability.require_cute(device)
         if gap is not None:
@@ -67,10 +68,10 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
-                varlen: bool) -> str | None:
+                varlen: bool, key_wise_mask: bool = False) -> str | None:
     """None when the CuTe backend computes the forward of such a call (device and software not
     looked at); else why not. The backward may still fall back (cute/masked.backward_gap)."""
     if not (has_mask or has_bias):
         return plain_feature_gap(has_mask=False, has_bias=False, head_dim=head_dim, dtype=dtype)
     return masked_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim,
-                              dtype=dtype, varlen=varlen)
+                              dtype=dtype, varlen=varlen, key_wise_mask=key_wise_mask)

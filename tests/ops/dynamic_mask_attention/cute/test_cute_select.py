@@ -84,6 +84,7 @@ def test_auto_falls_back_with_the_status_as_reason(status):
     (dict(has_bias=True, varlen=True), "varlen path with a bias"),
     (dict(has_mask=True, has_bias=True, varlen=True), "varlen path with a mask and bias"),
     (dict(has_mask=True, head_dim=96), "not 96"), (dict(has_bias=True, head_dim=192), "not 192"),
+    (dict(has_mask=True, key_wise_mask=True), "gathered keys"),
     (dict(head_dim=80), "head dim 80"), (dict(head_dim=32), "head dim 32"),
     (dict(dtype=torch.float32), "torch.float32"),
 ])
@@ -296,6 +297,16 @@ def test_cute_plans_dbias_store_or_atomic(status, bias_shape, reduce):
     assert bwd.backend.value == "cute" and bwd.dbias_reduce == reduce
     _, no_grad = _cute_plans(status, None, bias_shape, want_dbias=False)
     assert no_grad.dbias_reduce is None
+
+
+def test_key_wise_masks_stay_on_triton_and_per_head_ones_take_cute(status):
+    """A key-wise mask with one keep-set per kv head (the gathered walk) runs on Triton; one that
+    differs across the query heads of a group takes the tile lists, on CuTe."""
+    from flash_dma.ops.dynamic_mask_attention.plan import CutePlan, ForwardPlan
+    fwd, _ = _cute_plans(status, (2, 2, 1, 50), None)
+    assert isinstance(fwd, ForwardPlan) and "gathered keys" in fwd.backend.source
+    fwd, _ = _cute_plans(status, (2, 4, 1, 50), None)
+    assert isinstance(fwd, CutePlan)
 
 
 @pytest.mark.parametrize("mask_shape, bias_shape, deterministic, words", [
