@@ -14,6 +14,10 @@ full [B, H, Sq, Sk] shape, each broadcast dim given stride 0:
   head h reads head h // G, G being the view's (runtime) size along dim 2.
 The dbias buffer has the same layout as the bias it belongs to.
 
+Vector width: with aux tensors FA4 calls score_mod and score_mod_bwd one element at a time
+(vec_size 1, unless a callable sets __vec_size__, which none here does) and mask_mod always so;
+the hooks read element [0] of each index vector accordingly.
+
 Index ranges: FA4 wraps q and kv indices modulo the lengths before a score_mod and before a
 mask_mod on blocks that it masks for length, but a mask_mod on an interior key block also sees
 query rows past Sq (the last query tile's padding rows): the mask's index is clamped there.
