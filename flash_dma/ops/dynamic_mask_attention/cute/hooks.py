@@ -1,9 +1,11 @@
 """The @cute.jit callables that FA4's SM90 kernels call per score element: our bias (score_mod),
 its gradient (score_mod_bwd) and our keep-mask with bottom-right causal (mask_mod).
 
-FA4 keys its compile cache on a callable's source and the values it captures (closure cells,
-defaults), so every callable here comes from a factory memoised on a few ints and flags: one
-function object, and one compilation, per feature set. None captures a tensor; the tensors arrive
+FA4 keys its compile cache on a callable's hash (its source and captured values, or a
+__cute_hash__ attribute), so every callable here comes from a factory memoised on a few ints and
+flags, and carries a __cute_hash__ of this file's text and those arguments: one function object,
+and one compilation, per feature set, and an edit to any helper here changes every key (FA4's
+optional on-disk cache can then not serve a stale kernel). None captures a tensor; the tensors arrive
 each call as FA4's aux tensors, whose sizes and non-zero strides are runtime values, so a new
 length compiles nothing.
 
@@ -25,12 +27,23 @@ query rows past Sq (the last query tile's padding rows): the mask's index is cla
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from flash_attn.cute import utils as fa_utils
+
+
+with open(__file__, "rb") as _source:
+    _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
+
+
+def _keyed(fn, *args):
+    """fn with the compile-cache key of this file's text, the factory and its arguments."""
+    fn.__cute_hash__ = hashlib.sha256(f"{_SOURCE_DIGEST}:{fn.__name__}:{args!r}".encode()).hexdigest()
+    return fn
 
 
 def _pair_element(t, grouped: cutlass.Constexpr, b, h, q, kv):
@@ -57,7 +70,7 @@ def bias_score_mod(bias_slot: int, grouped: bool):
         value[0] = _pair_element(bias, grouped, b[0], h[0], q_idx[0], kv_idx[0])
         return score + value.load().to(Float32)
 
-    return score_mod
+    return _keyed(score_mod, bias_slot, grouped)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +100,7 @@ def bias_score_mod_bwd(dbias_slot: int, grouped: bool, atomic: bool):
                     dbias[b[0], h[0], q_idx[0], kv_idx[0]] = stored[0]
         return grad
 
-    return score_mod_bwd
+    return _keyed(score_mod_bwd, dbias_slot, grouped, atomic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +111,7 @@ def passthrough_score_mod_bwd():
     def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         return grad
 
-    return score_mod_bwd
+    return _keyed(score_mod_bwd, "passthrough")
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +134,7 @@ def keep_mask_mod(mask_slot: int, grouped: bool, causal: bool):
             kept = kept & visible
         return kept
 
-    return mask_mod
+    return _keyed(mask_mod, mask_slot, grouped, causal)
 
 
 __all__ = ["bias_score_mod", "bias_score_mod_bwd", "passthrough_score_mod_bwd", "keep_mask_mod"]
