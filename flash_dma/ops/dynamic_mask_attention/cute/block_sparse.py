@@ -65,6 +65,14 @@ def block_lists(mask: torch.Tensor, *, batch: int, num_heads: int, seqlen_q: int
     """BlockSparseTensorsTorch for a [B|1, H|Hk|1, Sq|1, Sk|1] bool mask (fixed lengths):
     query-major (forward) or key-major (backward), block size (128, block_kv)."""
     BlockSparseTensorsTorch = _fa4_block_types()[0]
+    lists = tile_lists(mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                       is_causal=is_causal, block_kv=block_kv, key_major=key_major)
+    return BlockSparseTensorsTorch(**lists, block_size=(SPARSE_BLOCK_Q, block_kv))
+
+
+def tile_lists(mask: torch.Tensor, *, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int,
+               is_causal: bool, block_kv: int, key_major: bool) -> dict[str, torch.Tensor]:
+    """The four tensors of `block_lists` (FA4's field names), in torch alone."""
     walk = sparsity.cached_key_walk(
         mask, sparsity.KV_BLOCK_LIST, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         is_causal=is_causal, cu_seqlens_q=None, cu_seqlens_k=None, block_m=SPARSE_BLOCK_Q,
@@ -88,6 +96,5 @@ def block_lists(mask: torch.Tensor, *, batch: int, num_heads: int, seqlen_q: int
 
     full_cnt, full_idx = part(0)
     partial_cnt, partial_idx = part(1)
-    return BlockSparseTensorsTorch(mask_block_cnt=partial_cnt, mask_block_idx=partial_idx,
-                                   full_block_cnt=full_cnt, full_block_idx=full_idx,
-                                   block_size=(SPARSE_BLOCK_Q, block_kv))
+    return dict(mask_block_cnt=partial_cnt, mask_block_idx=partial_idx,
+                full_block_cnt=full_cnt, full_block_idx=full_idx)
