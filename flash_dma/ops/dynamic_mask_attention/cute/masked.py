@@ -94,6 +94,13 @@ def _pair_view(t: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqle
     return t.detach().as_strided(size, stride, t.storage_offset()), grouped
 
 
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """An unused aux slot's tensor, never read: an allocation from the caching allocator, no
+    kernel (not cached across calls: the CPU compile check runs each variant under its own fake
+    tensor mode)."""
+    return torch.empty(1, dtype=torch.uint8, device=device)
+
+
 def _aux(pb_shape, mask, bias, dbias_buffer=None):
     """FA4's aux tensor list (fixed slots; a placeholder where a slot is unused) and the hooks'
     grouping flags."""
@@ -106,11 +113,11 @@ def _aux(pb_shape, mask, bias, dbias_buffer=None):
         if t.dtype == torch.bool:
             t = t.view(torch.uint8)
         aux[slot], grouped[slot] = _pair_view(t, batch, num_heads, seqlen_q, seqlen_k)
-    used = [t for t in aux if t is not None]
+    device = next(t for t in aux if t is not None).device
     for slot in range(len(aux)):
         if aux[slot] is None:
             if placeholder is None:
-                placeholder = torch.zeros(1, dtype=torch.uint8, device=used[0].device)
+                placeholder = _placeholder(device)
             aux[slot] = placeholder
     # trailing placeholders are dropped: the list's length is part of FA4's compile key, and
     # a forward needs no dbias slot
