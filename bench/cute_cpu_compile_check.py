@@ -1,8 +1,12 @@
 """Compile the CuTe backend's kernels (FA4's SM90 forward and backward, through our wrapper) for
 sm_90a on a machine without a GPU, and check that a new length compiles nothing.
 
-    python bench/cute_cpu_compile_check.py                      # every variant (long on 2 cores)
+    python bench/cute_cpu_compile_check.py                      # every plain variant (long on 2 cores)
     python bench/cute_cpu_compile_check.py --dims 128 --dtypes bf16 --causal 1 --gqa 4 --varlen 0
+    python bench/cute_cpu_compile_check.py --pairs bias,mask-keys --varlen 0   # mask/bias hooks
+
+--pairs picks the mask/bias variants (cute/masked.py, fixed lengths only): "none" (plain), or
+one of PAIRS below (a mask and/or bias shape, and whether dbias is asked for).
 
 Needs the hopper extra (pip install "flash-dma[hopper]"); torch may be the CPU build. Tensors are
 torch fake tensors on "cuda" (shapes and strides, no memory), which FA4 compiles from. Each
@@ -31,11 +35,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from flash_dma.ops.dynamic_mask_attention.cute import availability, plain  # noqa: E402
+from flash_dma.ops.dynamic_mask_attention.cute import availability, masked, plain  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FIRST_LENGTHS = (300, 257)
 LATER_LENGTHS = ((1000, 777), (4100, 4100))
+
+# name -> (mask shape, bias shape, dbias), shapes as functions of (B, H, Hk, Sq, Sk)
+PAIRS = {
+    "bias": (None, lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), "store"),
+    "bias-shared": (None, lambda B, H, Hk, Sq, Sk: (1, Hk, Sq, Sk), "atomic"),
+    "bias-keys": (None, lambda B, H, Hk, Sq, Sk: (B, 1, 1, Sk), None),
+    "mask": (lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), None, None),
+    "mask-keys": (lambda B, H, Hk, Sq, Sk: (1, Hk, 1, Sk), None, None),
+    "mask-bias": (lambda B, H, Hk, Sq, Sk: (B, 1, Sq, Sk),
+                  lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), "store"),
+}
 
 
 def _caches():
@@ -67,7 +82,29 @@ def _inputs(batch, seqlen_q, seqlen_k, heads, kv_heads, dim, dtype, varlen):
             make(batch * seqlen_k, kv_heads, dim), offsets)
 
 
-def _run(lengths, heads, kv_heads, dim, dtype, causal, varlen, deterministic):
+def _run_pair(pair, lengths, heads, kv_heads, dim, dtype, causal):
+    mask_shape, bias_shape, dbias = PAIRS[pair]
+    batch = 2
+    q, k, v, _ = _inputs(batch, *lengths, heads, kv_heads, dim, dtype, False)
+    dims = (batch, heads, kv_heads, *lengths)
+    mask = torch.empty(mask_shape(*dims), dtype=torch.bool, device="cuda") if mask_shape else None
+    bias = torch.empty(bias_shape(*dims), dtype=dtype, device="cuda") if bias_shape else None
+    scale = dim ** -0.5
+    start = time.perf_counter()
+    out, lse = masked.forward(q, k, v, mask, bias, causal=causal, softmax_scale=scale)
+    fwd_s = time.perf_counter() - start
+    start = time.perf_counter()
+    dq, dk, dv, db = masked.backward(torch.empty_like(out), q, k, v, out, lse, mask, bias,
+                                     causal=causal, softmax_scale=scale, dbias_mode=dbias)
+    bwd_s = time.perf_counter() - start
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert (db is None) == (dbias is None) and (db is None or (db.shape == bias.shape and db.dtype == bias.dtype))
+    return fwd_s, bwd_s
+
+
+def _run(lengths, heads, kv_heads, dim, dtype, causal, varlen, deterministic, pair="none"):
+    if pair != "none":
+        return _run_pair(pair, lengths, heads, kv_heads, dim, dtype, causal)
     q, k, v, offsets = _inputs(2, *lengths, heads, kv_heads, dim, dtype, varlen)
     scale = dim ** -0.5
     start = time.perf_counter()
@@ -82,19 +119,24 @@ def _run(lengths, heads, kv_heads, dim, dtype, causal, varlen, deterministic):
     return fwd_s, bwd_s
 
 
-def check_variant(dim, dtype_name, causal, group, varlen, deterministic) -> bool:
+def check_variant(dim, dtype_name, causal, group, varlen, deterministic, pair="none") -> bool:
     heads, kv_heads = (2 * group, 2) if group > 1 else (4, 4)
     label = (f"{dtype_name} D{dim} {'causal' if causal else 'full'} H{heads}/Hk{kv_heads} "
-             f"{'varlen' if varlen else 'fixed'}{' deterministic' if deterministic else ''}")
+             f"{'varlen' if varlen else 'fixed'}{' deterministic' if deterministic else ''}"
+             f"{'' if pair == 'none' else ' ' + pair}")
+    if pair != "none" and (varlen or deterministic):
+        print(f"skip {label}: the mask/bias path is fixed-length and not deterministic", flush=True)
+        return True
     before = _compiled_count()
     seen = {name: set(cache.cache) for name, cache in _caches().items()}
     try:
         with FakeTensorMode():
             fwd_s, bwd_s = _run(FIRST_LENGTHS, heads, kv_heads, dim, DTYPES[dtype_name], causal,
-                                varlen, deterministic)
+                                varlen, deterministic, pair)
             compiled = _compiled_count()
             for lengths in LATER_LENGTHS:
-                _run(lengths, heads, kv_heads, dim, DTYPES[dtype_name], causal, varlen, deterministic)
+                _run(lengths, heads, kv_heads, dim, DTYPES[dtype_name], causal, varlen,
+                     deterministic, pair)
         recompiled = _compiled_count() - compiled
         new = [fn for name, cache in _caches().items() for key, fn in cache.cache.items()
                if key not in seen[name]]
@@ -121,6 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gqa", type=_ints, default=[1, 4], help="query heads per kv head")
     parser.add_argument("--varlen", type=_ints, default=[0, 1])
     parser.add_argument("--deterministic", type=_ints, default=[0])
+    parser.add_argument("--pairs", type=lambda s: s.split(","), default=["none"],
+                        help="mask/bias variants: none or " + ", ".join(PAIRS))
     args = parser.parse_args(argv)
     status = availability.software_status()
     if status is not None:
@@ -131,10 +175,22 @@ def main(argv=None) -> int:
         # semaphores, ask for the current CUDA device, which a CPU build of torch cannot answer;
         # the fake tensors all live on cuda:0
         torch.cuda.current_device = lambda: 0
+        # the tile lists ask whether a CUDA graph is being captured, which a CPU build of torch
+        # cannot answer either
+        torch.cuda.is_current_stream_capturing = lambda: False
+        # a CPU build of torch cannot copy fake CUDA tensors (copy_), though it clones them:
+        # .contiguous() of a non-contiguous list goes through clone here
+        real_contiguous = torch.Tensor.contiguous
+
+        def contiguous(self, memory_format=torch.contiguous_format):
+            if self.is_contiguous(memory_format=memory_format):
+                return real_contiguous(self, memory_format=memory_format)
+            return self.clone(memory_format=memory_format)
+        torch.Tensor.contiguous = contiguous
     print(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} torch {torch.__version__}", flush=True)
     results = [check_variant(*variant) for variant in itertools.product(
         args.dims, args.dtypes, map(bool, args.causal), args.gqa, map(bool, args.varlen),
-        map(bool, args.deterministic))]
+        map(bool, args.deterministic), args.pairs)]
     failed = results.count(False)
     print(f"{len(results) - failed} passed, {failed} failed")
     return 1 if failed else 0

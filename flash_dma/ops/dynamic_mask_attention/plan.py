@@ -29,6 +29,7 @@ from ...runtime.config import Chosen, LaunchConfig, ceil_div, choice, config_nam
     head_dim_block, overridden
 from ...runtime.hardware import device_info
 from . import sparsity
+from .cute.masked import backward_gap as masked_backward_gap, dbias_reduce
 from .cute.select import BACKEND_CHOICES, choose_backend, requested_backend
 from .launch_table import select_config
 from .triton.host import DESCRIPTOR_MAX_HEAD_DIM, before_hopper, pair_tile_strides
@@ -196,32 +197,50 @@ def _forward_variant(q: torch.Tensor, mask, bias) -> str:
 
 @dataclass(frozen=True, eq=False)
 class CutePlan:
-    """A call the CuTe backend runs (cute/backend.py): it takes its launch choices itself."""
+    """A call the CuTe backend runs (cute/backend.py): FA4 takes its launch choices itself; the
+    plan says how dbias is reduced ("store", "atomic", or None without dbias)."""
     backend: Chosen
     problem: AttentionProblem
     deterministic: bool = False
+    dbias_reduce: str | None = None
 
 
 def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
     forced = overridden("attention_backend")
     requested = forced if forced is not None else requested_backend()
+    key_wise = (mask is not None and requested != "triton"
+                and sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads) == sparsity.KV_GATHERED)
     name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
-                                  q.dtype, pb.is_varlen, requested)
+                                  q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise)
     if name != "cute" and requested == "cute":
         profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
     return Chosen(name, ("override, " if forced is not None else "") + reason)
+
+
+def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend: Chosen,
+              extra: tuple = ()) -> None:
+    heads_word = lambda t: "H" if t is None or t.shape[1] == pb.num_heads else "Hk"  # noqa: E731
+    path = "fa4-plain" if mask is None and bias is None else "fa4-hooks"
+    profile.log_choice("attention", pass_name, "cute", device_info(device),
+                       (("D", pb.head_dim), ("Sq", pb.seqlen_q), ("Sk", pb.seqlen_k),
+                        ("B", pb.batch), ("H", pb.num_heads), ("Hk", pb.num_kv_heads),
+                        ("varlen", pb.is_varlen), ("causal", pb.is_causal),
+                        ("mask", _pair_shape(mask, ("B", heads_word(mask), "Sq", "Sk"))),
+                        ("bias", _pair_shape(bias, ("B", heads_word(bias), "Sq", "Sk")))) + extra,
+                       path, backend.source)
 
 
 def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
     backend = _backend(pb, q, mask, bias)
     if backend.value == "cute":
         if profile.active():
-            profile.log_choice("attention", "fwd", "cute", device_info(q.device),
-                               (("D", pb.head_dim), ("Sq", pb.seqlen_q), ("Sk", pb.seqlen_k),
-                                ("B", pb.batch), ("H", pb.num_heads), ("Hk", pb.num_kv_heads),
-                                ("varlen", pb.is_varlen), ("causal", pb.is_causal)),
-                               "fa4-plain", backend.source)
+            _log_cute("fwd", pb, q.device, mask, bias, backend)
         return CutePlan(backend, pb)
+    return _triton_forward_plan(pb, q, mask, bias, backend)
+
+
+def _triton_forward_plan(pb: AttentionProblem, q: torch.Tensor, mask, bias,
+                         backend: Chosen) -> ForwardPlan:
     kv_mode = sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads)
     variant = _forward_variant(q, mask, bias)
     cfg = select_config("attn_fwd", q.device, pb.head_dim, q.dtype, variant)
@@ -294,7 +313,9 @@ def _plan_dbias(pb: AttentionProblem, bias: torch.Tensor, n_key_programs: int, k
 def plan_backward(fwd: ForwardPlan | CutePlan, q: torch.Tensor, mask, bias, want_dbias: bool,
                   deterministic: bool) -> BackwardPlan | CutePlan:
     if isinstance(fwd, CutePlan):
-        return CutePlan(fwd.backend, fwd.problem, deterministic)
+        fwd = _cute_backward_or_triton(fwd, q, mask, bias, want_dbias, deterministic)
+        if isinstance(fwd, CutePlan):
+            return fwd
     pb, kv_mode = fwd.problem, fwd.kv_mode
     dq_strategy = _dq_strategy(pb, q, bias, want_dbias, kv_mode, deterministic)
     fused = dq_strategy.value == "fused"
@@ -341,6 +362,29 @@ def plan_backward(fwd: ForwardPlan | CutePlan, q: torch.Tensor, mask, bias, want
         if dq is not None:
             _log("bwd_dq", fwd.backend, pb, q.device, mask, bias, dq.config,
                  (("walk", sparsity.WALK_NAMES[kv_mode]),))
+    return plan
+
+
+def _cute_backward_or_triton(fwd: CutePlan, q: torch.Tensor, mask, bias, want_dbias: bool,
+                             deterministic: bool) -> CutePlan | ForwardPlan:
+    """The CuTe backward where it serves the call; else (a dbias or a deterministic mode that it
+    lacks) the Triton forward plan to build the Triton backward from, logged: the Triton
+    backward reads the CuTe forward's out and lse as its own (same layout and conventions)."""
+    pb = fwd.problem
+    if mask is None and bias is None:
+        plan = CutePlan(fwd.backend, pb, deterministic)
+    else:
+        gap = masked_backward_gap(seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k, batch=pb.batch,
+                                  num_heads=pb.num_heads, mask=mask, bias=bias,
+                                  want_dbias=want_dbias, deterministic=deterministic)
+        if gap is not None:
+            profile.log_fallback("attention", "the CuTe backward", "Triton", gap)
+            return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", f"CuTe backward: {gap}"))
+        reduce = dbias_reduce(pb.batch, pb.num_heads, bias) if want_dbias else None
+        plan = CutePlan(fwd.backend, pb, deterministic, reduce)
+    if profile.active():
+        _log_cute("bwd", pb, q.device, mask, bias, fwd.backend,
+                  (("dbias", plan.dbias_reduce),) if plan.dbias_reduce else ())
     return plan
 
 
@@ -399,9 +443,19 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     fwd = plan_forward(pb, q, mask, bias)
     bwd = plan_backward(fwd, q, mask, bias, bias is not None, False)
     lines = [f"backend {fwd.backend.value} ({fwd.backend.source})"]
+    if isinstance(fwd, CutePlan) and isinstance(bwd, CutePlan):
+        what = ("plain attention" if mask is None and bias is None else
+                "our bias hooks" if mask is None else
+                "our mask hook and tile lists" + (", bias hooks" if bias is not None else ""))
+        lines.append(f"forward and backward: FlashAttention-4's SM90 kernels ({what})")
+        if bwd.dbias_reduce is not None:
+            lines.append(f"dbias: {bwd.dbias_reduce}")
+        return lines
     if isinstance(fwd, CutePlan):
-        return lines + ["forward and backward: FlashAttention-4's SM90 kernels (plain attention)"]
-    for p in (fwd.forward, bwd.dkdv, bwd.dq):
+        lines.append("forward: FlashAttention-4's SM90 kernels (our mask/bias hooks); "
+                     f"backward: Triton ({bwd.backend.source})")
+        fwd = None
+    for p in ((fwd.forward,) if fwd is not None else ()) + (bwd.dkdv, bwd.dq):
         if p is not None:
             lines.append(f"{p.kernel}: {config_name(p.cfg)} ({p.config.source}; variant "
                          f"{p.variant!r}, walk {sparsity.WALK_NAMES[p.kv_mode]})")

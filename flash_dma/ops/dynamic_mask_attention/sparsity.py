@@ -102,7 +102,7 @@ def _sorted_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, index): per row, how many entries are set, and their positions first, ascending."""
     count = blocks.sum(-1, dtype=torch.int32).contiguous()
     # kernels read each list as a contiguous row; argsort would keep a transposed input's layout
-    index = torch.argsort((~blocks).to(torch.uint8), dim=-1, stable=True).to(torch.int32).contiguous()
+    index = torch.argsort(blocks.logical_not().to(torch.uint8), dim=-1, stable=True).to(torch.int32).contiguous()
     return count, index
 
 
@@ -163,7 +163,7 @@ def plan_key_walk(mask: torch.Tensor | None, mode: int, *, num_heads: int, seqle
         shift = causal_shift.unsqueeze(-1)
         full = full & (last_key <= first_row + shift)
         partial = partial & (first_key <= first_row + block_m - 1 + shift)
-    partial = partial & ~full
+    partial = partial & full.logical_not()
     rows = n_m if (key_major or full.shape[2] > 1 or partial.shape[2] > 1) else 1
     shape = (max(full.shape[0], partial.shape[0]), full.shape[1], rows, n_n)
     full, partial = full.expand(shape), partial.expand(shape)

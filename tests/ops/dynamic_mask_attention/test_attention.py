@@ -484,3 +484,161 @@ def test_plan_carries_every_choice_and_the_profile_log_names_it(monkeypatch, cap
     assert "bias=1,Hk,1,Sk" in lines[0]
     assert "source=interpreter" in lines[0] or DEVICE == "cuda"
     assert "dq=kernel" in lines[1] and "dq=fused" in lines[3]
+
+
+# ---- the CuTe backend (SM90 with the hopper extra) on the same reference comparison ----------
+
+def _cute_status():
+    from flash_dma.ops.dynamic_mask_attention.cute import cute_backend_status
+    return cute_backend_status(torch.device("cuda")) if torch.cuda.is_available() else "no CUDA GPU"
+
+
+@pytest.fixture
+def on_cute(monkeypatch):
+    """Forces the CuTe backend and records which backend ran each pass: [(pass, backend)]."""
+    status = _cute_status()
+    if status is not None:
+        pytest.skip(f"CuTe backend unavailable: {status}")
+    from flash_dma.ops.dynamic_mask_attention import autograd
+    ran = []
+
+    class Recording:
+        def __init__(self, name, module):
+            self.name, self.module = name, module
+
+        def forward(self, *args):
+            ran.append(("fwd", self.name))
+            return self.module.forward(*args)
+
+        def backward(self, *args):
+            ran.append(("bwd", self.name))
+            return self.module.backward(*args)
+
+    monkeypatch.setattr(autograd, "BACKENDS",
+                        {name: Recording(name, module) for name, module in autograd.BACKENDS.items()})
+    with config.overrides(attention_backend="cute"):
+        yield ran
+
+
+def _expected_cute_backward(mask, bias, B, H, Sq, Sk, deterministic=False):
+    from flash_dma.ops.dynamic_mask_attention.cute import masked
+    if mask is None and bias is None:
+        return "cute"
+    gap = masked.backward_gap(seqlen_q=Sq, seqlen_k=Sk, batch=B, num_heads=H, mask=mask, bias=bias,
+                              want_dbias=bias is not None, deterministic=deterministic)
+    return "cute" if gap is None else "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", list(BROADCASTS))
+def test_gpu_cute_mask_and_bias_broadcasts(on_cute, kind, causal, head_dim):
+    """Every broadcast kind of mask and bias (dbias in each bias shape) on the CuTe backend;
+    lengths past one tile and ragged, GQA; the forward runs on CuTe, the backward on CuTe unless
+    cute/masked.backward_gap names what it lacks (then Triton)."""
+    dtype = torch.bfloat16
+    B, Sq, Sk, H, Hk = 2, 300, 257, 4, 2
+    mask_fn, bias_fn = BROADCASTS[kind]
+    dims = (B, H, Hk, Sq, Sk)
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, head_dim, dtype,
+                                      mask_fn(*dims) if mask_fn else None,
+                                      bias_fn(*dims) if bias_fn else None)
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
+    from flash_dma.ops.dynamic_mask_attention import sparsity
+    if mask is not None and sparsity.choose_mode(mask, H, Hk) == sparsity.KV_GATHERED:
+        assert on_cute == [("fwd", "triton"), ("bwd", "triton")]  # gathered keys stay on Triton
+    else:
+        assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, B, H, Sq, Sk))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(2, 4, 130, 200), (1, 4, 130, 200), (2, 1, 130, 200),
+                                        (2, 2, 130, 200), (1, 1, 130, 200), (1, 2, 130, 200)])
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32])
+def test_gpu_cute_dbias_every_head_and_batch_broadcast(on_cute, bias_shape, bias_dtype):
+    """dbias stored (one writer per entry) or summed by fp32 atomics (shared by batch or heads,
+    per kv head under GQA), in the bias's dtype, fp16 inputs."""
+    dtype = torch.float16
+    q, k, v, mask, bias = make_inputs(2, 130, 200, 4, 2, 128, dtype, (2, 1, 130, 200), bias_shape,
+                                      bias_dtype=bias_dtype)
+    check_against_reference(q, k, v, mask, bias, True, dtype)
+    assert on_cute == [("fwd", "cute"), ("bwd", "cute")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_cute_fully_masked_rows_and_empty_tiles(on_cute, head_dim):
+    """Empty rows give out 0, lse +inf, zero dq and dbias; whole empty query blocks and key
+    blocks (no listed tile) give zeros in every gradient."""
+    dtype = torch.bfloat16
+    B, Sq, Sk, H = 1, 400, 390, 2
+    q, k, v, _, bias = make_inputs(B, Sq, Sk, H, H, head_dim, dtype, None, (B, H, Sq, Sk))
+    mask = torch.rand(B, H, Sq, Sk, device=DEVICE) < 0.5
+    mask[:, :, 3] = False            # one empty row per head
+    mask[:, 1, 128:256] = False      # a whole empty query block in one head
+    mask[:, 0, :, 128:300] = False   # empty key blocks in the other
+    out, grads = check_against_reference(q, k, v, mask, bias, False, dtype)
+    dq, dk, dv, dbias = grads
+    assert (out[:, 3] == 0).all() and (out[:, 128:256, 1] == 0).all()
+    assert (dq[:, 3] == 0).all() and (dbias[:, :, 3] == 0).all() and (dbias[:, 1, 128:256] == 0).all()
+    assert (dk[:, 128:300, 0] == 0).all() and (dv[:, 128:300, 0] == 0).all()
+    assert on_cute == [("fwd", "cute"), ("bwd", "cute")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cute_tile_sparse_mask_long(on_cute, causal):
+    """1/8 of the tiles kept, 128x128 tiles, S 2000: the lists skip the rest in both passes."""
+    dtype = torch.bfloat16
+    B, S, H, Hk, D = 1, 2000, 4, 2, 128
+    q, k, v, _, bias = make_inputs(B, S, S, H, Hk, D, dtype, None, (B, H, S, S))
+    n = -(-S // 128)
+    tiles = torch.rand(B, H, n, n, device=DEVICE) < 0.125
+    tiles |= torch.eye(n, dtype=torch.bool, device=DEVICE)  # every row sees its diagonal tile
+    mask = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :S, :S]
+    check_against_reference(q, k, v, mask, bias, causal, dtype)
+    assert on_cute == [("fwd", "cute"), ("bwd", "cute")]
+
+
+@pytest.mark.gpu
+def test_gpu_cute_deterministic(on_cute):
+    """deterministic=True: a full-shape bias stays on CuTe (FA4's ordered sums) and repeats bit
+    for bit; a mask moves the backward to Triton."""
+    dtype = torch.bfloat16
+    B, Sq, Sk, H, Hk = 2, 200, 300, 4, 2
+    q, k, v, _, bias = make_inputs(B, Sq, Sk, H, Hk, 128, dtype, None, (B, H, Sq, Sk))
+    check_against_reference(q, k, v, None, bias, True, dtype, deterministic=True)
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(2):
+        leaves = [q.clone().requires_grad_(), bias.clone().requires_grad_()]
+        out = flash_dma_func(leaves[0], k, v, attn_bias=leaves[1], is_causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, leaves, dout))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert set(on_cute) == {("fwd", "cute"), ("bwd", "cute")}
+    on_cute.clear()
+    _, _, _, mask, _ = make_inputs(B, Sq, Sk, H, Hk, 128, dtype, (B, H, Sq, Sk), None)
+    check_against_reference(q, k, v, mask, bias, True, dtype, deterministic=True)
+    assert on_cute == [("fwd", "cute"), ("bwd", "triton")]
+
+
+@pytest.mark.gpu
+def test_gpu_cute_new_length_compiles_nothing(on_cute):
+    """One compilation per feature set: after a first call, new lengths (each above one tile)
+    find every FA4 kernel in its cache."""
+    from flash_dma.ops.dynamic_mask_attention.cute import plain
+    fa4 = plain._fa4()
+    caches = (fa4._flash_attn_fwd.compile_cache.cache, fa4._flash_attn_bwd.compile_cache.cache)
+    dtype = torch.bfloat16
+
+    def run(S):
+        q, k, v, mask, bias = make_inputs(2, S, S + 7, 4, 2, 128, dtype, (2, 1, S, S + 7), (1, 2, S, S + 7))
+        leaves = [t.requires_grad_() for t in (q, k, v, bias)]
+        out = flash_dma_func(*leaves[:3], attn_mask=mask, attn_bias=leaves[3], is_causal=True)
+        out.backward(torch.randn_like(out))
+    run(300)
+    before = [len(c) for c in caches]
+    for S in (517, 1000, 1999):
+        run(S)
+    assert [len(c) for c in caches] == before

@@ -1,13 +1,16 @@
 """The CuTe DSL backend of dynamic mask attention (SM90, optional: pip install "flash-dma[hopper]").
 
-Today it serves plain attention (no mask, no bias) through FlashAttention-4's kernels; the rest
-runs on Triton. Importing this package imports no part of the CuTe stack: that happens on the
+It runs FlashAttention-4's SM90 kernels: plain attention as they are (plain.py), and fixed-length
+attention with a keep-mask and/or a bias (with dbias) through our hooks (hooks.py: score_mod,
+score_mod_bwd, mask_mod) and our tile lists (block_sparse.py), in masked.py. What it lacks runs
+on Triton, logged. Importing this package imports no part of the CuTe stack: that happens on the
 first status check for a Hopper GPU, or the first forward/backward.
 
 Entry points for the attention plan:
-- choose_backend(device, has_mask, has_bias, head_dim, dtype, varlen) -> ("cute"|"triton", reason)
-- plain.supports(PlainProblem(...)) -> None | reason
-- plain.forward(...) -> (out, lse); plain.backward(...) -> (dq, dk, dv)
+- choose_backend(device, has_mask, has_bias, head_dim, dtype, varlen, requested, key_wise_mask)
+  -> ("cute"|"triton", reason)
+- plain.forward/backward; masked.forward/backward (masked.backward_gap: when the backward moves
+  to Triton)
 """
 from .availability import INSTALL_HINT, CuteBackendUnavailable, cute_backend_status
 from .select import BACKEND_ENV, choose_backend, requested_backend

@@ -1,11 +1,11 @@
 """The CuTe backend's launchers, in the shape the attention autograd dispatches to
-(forward(plan, ...), backward(plan, ...)), like the Triton backend's. Today they run plain
-attention through plain.py; plan.py sends nothing else here."""
+(forward(plan, ...), backward(plan, ...)), like the Triton backend's: plain attention through
+plain.py, a mask and/or bias through masked.py (fixed lengths; plan.py sends nothing else)."""
 from __future__ import annotations
 
 import torch
 
-from . import plain
+from . import masked, plain
 
 
 def _varlen_args(pb) -> dict:
@@ -25,6 +25,9 @@ def _zero_rows_outside(cu, *tensors):
 
 def forward(plan, q, k, v, mask, bias):
     pb = plan.problem
+    if mask is not None or bias is not None:
+        return masked.forward(q, k, v, mask, bias, causal=pb.is_causal,
+                              softmax_scale=pb.softmax_scale)
     out, lse = plain.forward(q, k, v, causal=pb.is_causal, softmax_scale=pb.softmax_scale,
                              **_varlen_args(pb))
     if pb.is_varlen:
@@ -34,6 +37,10 @@ def forward(plan, q, k, v, mask, bias):
 
 def backward(plan, q, k, v, out, lse, dout, mask, bias):
     pb = plan.problem
+    if mask is not None or bias is not None:
+        return masked.backward(dout, q, k, v, out, lse, mask, bias, causal=pb.is_causal,
+                               softmax_scale=pb.softmax_scale, dbias_mode=plan.dbias_reduce,
+                               deterministic=plan.deterministic)
     dq, dk, dv = plain.backward(dout, q, k, v, out, lse, causal=pb.is_causal,
                                 softmax_scale=pb.softmax_scale, deterministic=plan.deterministic,
                                 **_varlen_args(pb))

@@ -5,8 +5,8 @@ FLASH_DMA_BACKEND in the environment:
   the plan to log);
 - "triton": always Triton;
 - "cute": CuTe; where the device or the installed software cannot run it, CuteBackendUnavailable
-  says why and how to install. A problem the CuTe backend does not serve yet (a mask, a bias,
-  another head dim) still runs on Triton, with the reason returned: never a wrong answer.
+  says why and how to install. A problem the CuTe backend does not serve (varlen with a mask or
+  bias, another head dim) still runs on Triton, with the reason returned: never a wrong answer.
 """
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import torch
 
 from . import availability
 from .availability import CuteBackendUnavailable
+from .masked import feature_gap as masked_feature_gap
 from .plain import plain_feature_gap
 
 BACKEND_ENV = "FLASH_DMA_BACKEND"
 BACKEND_CHOICES = ("auto", "triton", "cute")
 
 __all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "CuteBackendUnavailable", "requested_backend",
-           "choose_backend"]
+           "choose_backend", "feature_gap"]
 
 
 def requested_backend(environ=None) -> str:
@@ -36,10 +37,11 @@ def requested_backend(environ=None) -> str:
 
 
 def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
-                   varlen: bool, requested: str | None = None) -> tuple[str, str]:
+                   varlen: bool, requested: str | None = None,
+                   key_wise_mask: bool = False) -> tuple[str, str]:
     """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
-    FLASH_DMA_BACKEND. The CuTe backend serves plain attention (no mask, no bias), fixed length
-    and varlen alike; varlen is taken so that the reason can say which layout fell back."""
+    FLASH_DMA_BACKEND. The CuTe backend serves plain attention (fixed length and varlen) and
+    fixed-length attention with a mask and/or bias (cute/masked.py says which)."""
     if requested is None:
         requested = requested_backend()
     elif requested not in BACKEND_CHOICES:
@@ -48,7 +50,8 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
         return "triton", f"{BACKEND_ENV}=triton"
     layout = "varlen" if varlen else "fixed-length"
     # what the CuTe path lacks is known without importing the CuTe stack: asked first
-    gap = plain_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype)
+    gap = feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim, dtype=dtype,
+                      varlen=varlen, key_wise_mask=key_wise_mask)
     if requested == "cute":
         availability.require_cute(device)
         if gap is not None:
@@ -59,4 +62,16 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     status = availability.cute_backend_status(device)
     if status is not None:
         return "triton", f"auto: {status}"
-    return "cute", f"auto: SM90 with the CuTe DSL stack, plain {layout} attention"
+    kind = ("plain" if not (has_mask or has_bias) else
+            "masked" if not has_bias else "biased" if not has_mask else "masked and biased")
+    return "cute", f"auto: SM90 with the CuTe DSL stack, {kind} {layout} attention"
+
+
+def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
+                varlen: bool, key_wise_mask: bool = False) -> str | None:
+    """None when the CuTe backend computes the forward of such a call (device and software not
+    looked at); else why not. The backward may still fall back (cute/masked.backward_gap)."""
+    if not (has_mask or has_bias):
+        return plain_feature_gap(has_mask=False, has_bias=False, head_dim=head_dim, dtype=dtype)
+    return masked_feature_gap(has_mask=has_mask, has_bias=has_bias, head_dim=head_dim,
+                              dtype=dtype, varlen=varlen, key_wise_mask=key_wise_mask)

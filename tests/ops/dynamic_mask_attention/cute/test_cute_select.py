@@ -61,6 +61,17 @@ def test_auto_picks_cute_for_plain_attention_where_it_runs(status):
         assert ("varlen" if varlen else "fixed-length") in reason
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_auto_picks_cute_for_fixed_length_mask_and_bias(status, head_dim):
+    status(None)
+    for change, kind in ((dict(has_mask=True), "masked"), (dict(has_bias=True), "biased"),
+                         (dict(has_mask=True, has_bias=True), "masked and biased")):
+        backend, reason = choose_backend("cuda", requested="auto",
+                                         **{**PLAIN, "head_dim": head_dim, **change})
+        assert backend == "cute", reason
+        assert f"{kind} fixed-length" in reason
+
+
 def test_auto_falls_back_with_the_status_as_reason(status):
     status(NO_CUTE)
     backend, reason = choose_backend("cuda", requested="auto", **PLAIN)
@@ -69,8 +80,11 @@ def test_auto_falls_back_with_the_status_as_reason(status):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(has_mask=True), "mask"), (dict(has_bias=True), "bias"),
-    (dict(has_mask=True, has_bias=True), "mask or bias"),
+    (dict(has_mask=True, varlen=True), "varlen path with a mask"),
+    (dict(has_bias=True, varlen=True), "varlen path with a bias"),
+    (dict(has_mask=True, has_bias=True, varlen=True), "varlen path with a mask and bias"),
+    (dict(has_mask=True, head_dim=96), "not 96"), (dict(has_bias=True, head_dim=192), "not 192"),
+    (dict(has_mask=True, key_wise_mask=True), "gathered keys"),
     (dict(head_dim=80), "head dim 80"), (dict(head_dim=32), "head dim 32"),
     (dict(dtype=torch.float32), "torch.float32"),
 ])
@@ -255,3 +269,65 @@ def test_the_attention_call_honours_the_backend_choice(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "bogus")
     with pytest.raises(ValueError, match=BACKEND_ENV):
         flash_dma.flash_dma_func(q, k, v)
+
+
+def _cute_plans(status, mask_shape, bias_shape, *, want_dbias=True, deterministic=False,
+                causal=False):
+    """(forward plan, backward plan) of a B2 H4 Hk2 S40x50 D128 call, the CuTe status set usable
+    (no tensor is read: stand-ins of the shapes, as `flash-dma env --attention` builds)."""
+    from flash_dma.ops.dynamic_mask_attention.plan import AttentionProblem, plan_backward, plan_forward
+    status(None)
+    pb = AttentionProblem(2, 4, 2, 128, 40, 50, False, causal, 128 ** -0.5, None, None)
+    q = torch.empty(2, 40, 4, 128, dtype=torch.bfloat16)
+
+    def stand_in(shape, dtype):
+        return None if shape is None else torch.empty((), dtype=dtype).expand(shape)
+    mask, bias = stand_in(mask_shape, torch.bool), stand_in(bias_shape, torch.bfloat16)
+    fwd = plan_forward(pb, q, mask, bias)
+    return fwd, plan_backward(fwd, q, mask, bias, want_dbias and bias is not None, deterministic)
+
+
+@pytest.mark.parametrize("bias_shape, reduce", [
+    ((2, 4, 40, 50), "store"), ((1, 4, 40, 50), "atomic"), ((2, 1, 40, 50), "atomic"),
+    ((2, 2, 40, 50), "atomic"), ((1, 1, 40, 50), "atomic")])
+def test_cute_plans_dbias_store_or_atomic(status, bias_shape, reduce):
+    from flash_dma.ops.dynamic_mask_attention.plan import CutePlan
+    fwd, bwd = _cute_plans(status, (2, 1, 40, 50), bias_shape)
+    assert isinstance(fwd, CutePlan) and isinstance(bwd, CutePlan)
+    assert bwd.backend.value == "cute" and bwd.dbias_reduce == reduce
+    _, no_grad = _cute_plans(status, None, bias_shape, want_dbias=False)
+    assert no_grad.dbias_reduce is None
+
+
+def test_key_wise_masks_stay_on_triton_and_per_head_ones_take_cute(status):
+    """A key-wise mask with one keep-set per kv head (the gathered walk) runs on Triton; one that
+    differs across the query heads of a group takes the tile lists, on CuTe."""
+    from flash_dma.ops.dynamic_mask_attention.plan import CutePlan, ForwardPlan
+    fwd, _ = _cute_plans(status, (2, 2, 1, 50), None)
+    assert isinstance(fwd, ForwardPlan) and "gathered keys" in fwd.backend.source
+    fwd, _ = _cute_plans(status, (2, 4, 1, 50), None)
+    assert isinstance(fwd, CutePlan)
+
+
+@pytest.mark.parametrize("mask_shape, bias_shape, deterministic, words", [
+    (None, (2, 4, 1, 50), False, "broadcast along queries or keys"),
+    (None, (2, 4, 40, 1), False, "broadcast along queries or keys"),
+    ((2, 4, 40, 50), None, True, "deterministic backward with a mask"),
+    (None, (1, 4, 40, 50), True, "atomics"),
+])
+def test_cute_forward_triton_backward_where_cute_lacks_it(status, caplog, mask_shape, bias_shape,
+                                                          deterministic, words):
+    from flash_dma.ops.dynamic_mask_attention.plan import BackwardPlan, CutePlan
+    with caplog.at_level("WARNING", logger="flash_dma"):
+        fwd, bwd = _cute_plans(status, mask_shape, bias_shape, deterministic=deterministic)
+    assert isinstance(fwd, CutePlan)
+    assert isinstance(bwd, BackwardPlan) and bwd.backend.value == "triton"
+    assert words in bwd.backend.source
+    assert any(words in r.getMessage() for r in caplog.records) or words in str(
+        getattr(__import__("flash_dma.runtime.profile", fromlist=["_FALLBACKS_SEEN"]), "_FALLBACKS_SEEN"))
+
+
+def test_cute_serves_deterministic_bias_with_one_writer_per_entry(status):
+    from flash_dma.ops.dynamic_mask_attention.plan import CutePlan
+    _, bwd = _cute_plans(status, None, (2, 4, 40, 50), deterministic=True)
+    assert isinstance(bwd, CutePlan) and bwd.dbias_reduce == "store" and bwd.deterministic

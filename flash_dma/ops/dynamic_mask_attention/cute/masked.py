@@ -1,0 +1,205 @@
+"""Attention with a keep-mask and/or an additive bias (and dbias) on SM90, through FA4's CuTe DSL
+kernels with our hooks (hooks.py) and our tile lists (block_sparse.py).
+
+What this serves: fixed-length fp16/bf16 at head dims 64, 128 and 256, GQA/MQA, bottom-right
+causal, mask and bias in every broadcast shape of the contract, fully masked rows (out 0, lse
++inf, zero gradients), dbias where the bias has full query and key dims (stored directly when it
+has one writer per entry, else added into an fp32 buffer of the bias's own shape and cast).
+What it does not (the plan runs Triton instead, logged; see `feature_gap`, `backward_gap`):
+varlen with a mask or bias, other head dims (FA4's D192 backward tiles are not validated here),
+dbias of a bias broadcast along queries or keys (one fp32 atomic per score into a row or column
+is slower than the Triton backward's register reductions), and deterministic=True with a mask
+or an atomic dbias (FA4's ordered block-sparse dq needs write-order metadata we do not build).
+
+How the pieces meet FA4:
+- bias: score_mod adds bias[b, h, q, kv] to the scaled score; the backward's score_mod_bwd gets
+  dS and writes dbias. Bias-only calls keep FA4's own causal handling and tiles.
+- mask: mask_mod reads the mask (as uint8) with the causal rule folded in (FA4 turns its causal
+  off when given a mask_mod), and the tile lists make both passes skip empty tiles and skip the
+  mask_mod on full ones.
+- aux tensors: views in the full problem shape with stride 0 on broadcast dims (hooks.py), so
+  one compiled kernel per broadcast pattern serves every length.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ....runtime.hardware import device_guard
+from . import block_sparse, plain
+
+MASKED_HEAD_DIMS = (64, 128, 256)
+
+# Fixed aux slots: the hooks index FA4's aux tensor list by these.
+BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
+
+
+def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
+                varlen: bool, key_wise_mask: bool = False) -> str | None:
+    """None when this path computes the forward of such a call; else why not (device and
+    software not looked at). key_wise_mask: the mask is one the Triton backend walks by gathered
+    keys (sparsity.KV_GATHERED): it costs O(Sq * kept keys) there, while FA4 computes every tile
+    holding a kept key, so such masks stay on Triton."""
+    what = "mask and bias" if has_mask and has_bias else ("mask" if has_mask else "bias")
+    if varlen:
+        return f"the CuTe backend has no varlen path with a {what} yet"
+    if has_mask and key_wise_mask:
+        return ("a key-wise mask runs on the Triton backend's gathered keys (O(Sq * kept keys)); "
+                "the CuTe backend would compute every tile holding a kept key")
+    if dtype not in plain.PLAIN_DTYPES:
+        return f"the CuTe backend takes fp16 or bf16, not {dtype}"
+    if head_dim not in MASKED_HEAD_DIMS:
+        return (f"the CuTe backend's {what} path is validated for head dims "
+                f"{', '.join(map(str, MASKED_HEAD_DIMS))}, not {head_dim}")
+    return None
+
+
+def dbias_reduce(batch: int, num_heads: int, bias: torch.Tensor) -> str:
+    """"store" where each dbias entry has one writer (a bias per batch and query head), else
+    "atomic" (shared across batches or query heads). Query/key broadcast: see backward_gap."""
+    if (bias.shape[0] == 1 and batch > 1) or bias.shape[1] != num_heads:
+        return "atomic"
+    return "store"
+
+
+def backward_gap(*, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask, bias,
+                 want_dbias: bool, deterministic: bool) -> str | None:
+    """None when this path computes the backward; else why not."""
+    if want_dbias and ((bias.shape[2] == 1 and seqlen_q > 1) or (bias.shape[3] == 1 and seqlen_k > 1)):
+        return ("the CuTe backend computes no dbias for a bias broadcast along queries or keys "
+                f"(bias shape {tuple(bias.shape)})")
+    if deterministic and mask is not None:
+        return "the CuTe backend has no deterministic backward with a mask"
+    if deterministic and want_dbias and dbias_reduce(batch, num_heads, bias) == "atomic":
+        return "the CuTe backend sums a shared dbias with atomics, which deterministic=True rules out"
+    return None
+
+
+def _pair_view(t: torch.Tensor, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int):
+    """(view, grouped): t [B|1, H|Hk|1, Sq|1, Sk|1] in the full problem shape, stride 0 along
+    every size-1 dim (also where the problem's size is 1: the compile key then depends on the
+    broadcast pattern only). Heads: [B, H, Sq, Sk] for H or 1 heads; per kv head (GQA),
+    [B, Hk, G, Sq, Sk] with stride 0 along G (hooks.py reads head h // G)."""
+    def dim(i, size):
+        return (size, 0) if t.shape[i] == 1 else (size, t.stride(i))
+    b, q, k = dim(0, batch), dim(2, seqlen_q), dim(3, seqlen_k)
+    heads = t.shape[1]
+    if heads == 1 or heads == num_heads:
+        h = dim(1, num_heads)
+        dims, grouped = (b, h, q, k), False
+    else:
+        dims, grouped = (b, (heads, t.stride(1)), (num_heads // heads, 0), q, k), True
+    size, stride = zip(*dims)
+    return t.detach().as_strided(size, stride, t.storage_offset()), grouped
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """An unused aux slot's tensor, never read: an allocation from the caching allocator, no
+    kernel (not cached across calls: the CPU compile check runs each variant under its own fake
+    tensor mode)."""
+    return torch.empty(1, dtype=torch.uint8, device=device)
+
+
+def _aux(pb_shape, mask, bias, dbias_buffer=None):
+    """FA4's aux tensor list (fixed slots; a placeholder where a slot is unused) and the hooks'
+    grouping flags."""
+    batch, num_heads, seqlen_q, seqlen_k = pb_shape
+    placeholder = None
+    aux, grouped = [None, None, None], {}
+    for slot, t in ((BIAS_SLOT, bias), (MASK_SLOT, mask), (DBIAS_SLOT, dbias_buffer)):
+        if t is None:
+            continue
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        aux[slot], grouped[slot] = _pair_view(t, batch, num_heads, seqlen_q, seqlen_k)
+    device = next(t for t in aux if t is not None).device
+    for slot in range(len(aux)):
+        if aux[slot] is None:
+            if placeholder is None:
+                placeholder = _placeholder(device)
+            aux[slot] = placeholder
+    # trailing placeholders are dropped: the list's length is part of FA4's compile key, and
+    # a forward needs no dbias slot
+    while aux and aux[-1] is placeholder and placeholder is not None:
+        aux.pop()
+    return aux, grouped
+
+
+def _hooks(mask, bias, grouped, causal: bool, dbias_mode: str | None, backward: bool):
+    from . import hooks
+    score_mod = hooks.bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT]) if bias is not None else None
+    mask_mod = (hooks.keep_mask_mod(MASK_SLOT, grouped[MASK_SLOT], causal)
+                if mask is not None else None)
+    score_mod_bwd = None
+    if backward and bias is not None:
+        if dbias_mode is None:
+            score_mod_bwd = hooks.passthrough_score_mod_bwd()
+        else:
+            score_mod_bwd = hooks.bias_score_mod_bwd(DBIAS_SLOT, grouped[DBIAS_SLOT],
+                                                     dbias_mode == "atomic")
+    return score_mod, mask_mod, score_mod_bwd
+
+
+def _problem_shape(q, k):
+    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
+
+
+def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
+    """q [B, Sq, H, D], k/v [B, Sk, Hk, D], mask bool and bias broadcastable to [B, H, Sq, Sk]
+    (checked by the caller, `feature_gap` None) -> (out like q, lse fp32 [B, H, Sq], +inf for
+    rows that see no key)."""
+    batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
+    if seqlen_q == 0 or seqlen_k == 0:  # no key anywhere (or no row): nothing to launch
+        out = torch.zeros_like(q)
+        lse = torch.full((batch, num_heads, seqlen_q), math.inf, device=q.device, dtype=torch.float32)
+        return out, lse
+    q, k, v = (plain._tma_ready(t) for t in (q, k, v))
+    aux, grouped = _aux(shape, mask, bias)
+    score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
+    lists = None
+    if mask is not None:
+        lists = block_sparse.block_lists(
+            mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            is_causal=causal, block_kv=block_sparse.forward_block_kv(q.shape[-1]), key_major=False)
+    with device_guard(q.device):
+        out, lse = plain._fa4()._flash_attn_fwd(
+            q, k, v, softmax_scale=softmax_scale, causal=causal and mask is None,
+            score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux,
+            block_sparse_tensors=lists, return_lse=True)[:2]
+    # rows with no visible key (the mask, causal with Sq > Sk, or a bias of -inf): FA4's -inf
+    plain._empty_rows_to_plus_inf(lse)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale: float,
+             dbias_mode: str | None, deterministic: bool = False):
+    """Gradients of `forward` -> (dq, dk, dv, dbias or None). dbias_mode: None (no dbias),
+    "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None (so with
+    deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums)."""
+    batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
+    if seqlen_q == 0 or seqlen_k == 0:
+        dbias = torch.zeros_like(bias) if dbias_mode is not None else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
+    q, k, v, out, dout = (plain._tma_ready(t) for t in (q, k, v, out, dout))
+    buffer = None
+    if dbias_mode is not None:
+        buffer = torch.zeros(bias.shape, device=bias.device,
+                             dtype=bias.dtype if dbias_mode == "store" else torch.float32)
+    aux, grouped = _aux(shape, mask, bias, buffer)
+    score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True)
+    lists = None
+    if mask is not None:
+        lists = block_sparse.block_lists(
+            mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            is_causal=causal, block_kv=block_sparse.backward_block_kv(q.shape[-1]), key_major=True)
+    with device_guard(q.device):
+        dq, dk, dv = plain._fa4()._flash_attn_bwd(
+            q, k, v, out, dout, lse.contiguous(), softmax_scale=softmax_scale,
+            causal=causal and mask is None, score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+            mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=lists,
+            deterministic=deterministic)[:3]
+    dbias = None
+    if buffer is not None:
+        dbias = buffer if buffer.dtype == bias.dtype else buffer.to(bias.dtype)
+    return dq, dk, dv, dbias
