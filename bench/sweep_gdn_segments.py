@@ -98,17 +98,17 @@ def main() -> int:
             name = label + (" KDA" if kda else "") + (f" ({len(lengths)} seqs)" if lengths else "")
             base_fwd = base_all = None
             reference = None
-            for split in [None] + splits:
-                with overrides(gdn_chunks_per_segment=split) if split else overrides():
+            for split in [0, None] + [c for c in splits if c != 0]:  # whole (the baseline), the rule, forced splits
+                with overrides(gdn_chunks_per_segment=split) if split is not None else overrides():
                     with torch.no_grad():
                         fwd = time_ms(lambda: call(x))
                     results = fwd_bwd(x)
                     both = time_ms(lambda: fwd_bwd(x))
-                if split is None:
+                if split == 0:
                     base_fwd, base_all, reference, err = fwd, both, results, 0.0
                 else:
                     err = max(rel_err(r, ref) for r, ref in zip(results, reference))
-                line = (f"{name:<28} {('none' if split is None else split):>7} {fwd:9.3f} {base_fwd / fwd:6.2f} "
+                line = (f"{name:<28} {('rule' if split is None else 'whole' if split == 0 else split):>7} {fwd:9.3f} {base_fwd / fwd:6.2f} "
                         f"{both:11.3f} {base_all / both:6.2f} {err:9.1e}")
                 lines.append(line)
                 print(line, flush=True)

@@ -43,7 +43,7 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 # Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
 # be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
 declare_choice("gdn_chunks_per_segment", None, (),
-               "chunks per segment of the state passes' sequence split (None: no split)")
+               "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,10 @@ def _gates(has_g: bool, has_gk: bool) -> str:
 def _chunks_per_segment() -> Chosen:
     chosen = choice("gdn_chunks_per_segment")
     value = chosen.value
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"gdn_chunks_per_segment must be None or a positive int, got {value!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"gdn_chunks_per_segment must be a positive int, or 0 for not cut, got {value!r}")
+    if value == 0:  # forced whole (the rule may cut)
+        return Chosen(None, "override")
     return chosen
 
 
