@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ....runtime.config import choice, declare_choice
 from ....runtime.hardware import device_guard
 from . import block_sparse, plain
 
@@ -35,6 +36,17 @@ MASKED_HEAD_DIMS = (64, 128, 256)
 BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
 
 
+# Measured on the H200 (bench/cute_masked_check.py, bench/results/cute-masked-NVIDIA-H200-20261126.txt):
+# the bias hooks' backward gave wrong dq/dk/dv/dbias (relative errors near 1, some inf) in every
+# bias case of the grid, and their forward ran at 0.61x the Triton backend's (element-at-a-time
+# bias loads). Until both are fixed a bias never takes this path.
+BIAS_GAP = ("the CuTe backend's bias path is not validated (its backward failed the GPU check and "
+            "its forward ran slower than Triton's)")
+declare_choice("attention_cute_bias", False, (False, True),
+               "let the CuTe backend take a bias (off: its hooks failed the GPU check; on for their "
+               "tests and for debugging them)")
+
+
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
                 varlen: bool, key_wise_mask: bool = False) -> str | None:
     """None when this path computes the forward of such a call; else why not (device and
@@ -42,6 +54,8 @@ def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.d
     keys (sparsity.KV_GATHERED): it costs O(Sq * kept keys) there, while FA4 computes every tile
     holding a kept key, so such masks stay on Triton."""
     what = "mask and bias" if has_mask and has_bias else ("mask" if has_mask else "bias")
+    if has_bias and not choice("attention_cute_bias").value:
+        return BIAS_GAP
     if varlen:
         return f"the CuTe backend has no varlen path with a {what} yet"
     if has_mask and key_wise_mask:
