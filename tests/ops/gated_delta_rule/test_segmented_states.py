@@ -95,11 +95,19 @@ def test_public_bwd_dhu_split(mode, varlen, chunks_per_segment):
         check_dhu(x, torch.float32, None, cu)
 
 
-@pytest.mark.parametrize("value", [0, -2, 2.0, True, "4"])
+@pytest.mark.parametrize("value", [-1, -2, 2.0, True, "4"])  # 0 means whole (test_zero_forces_whole)
 def test_bad_chunks_per_segment(value):
     q = torch.zeros(1, 64, 1, 16, device=DEVICE)
     with overrides(gdn_chunks_per_segment=value), pytest.raises(ValueError, match="gdn_chunks_per_segment"):
         plan_call(q, q, True, False, chunk_layout(1, 64, None))
+
+
+def test_zero_forces_whole():
+    q = torch.zeros(1, 64, 1, 16, device=DEVICE)
+    with overrides(gdn_chunks_per_segment=0):
+        plan = plan_call(q, q, True, False, chunk_layout(1, 64, None))
+    assert plan.chunks_per_segment == plan.dhu_chunks_per_segment
+    assert (plan.chunks_per_segment.value, plan.chunks_per_segment.source) == (None, "override")
 
 
 def test_plan_default_is_unsplit():
@@ -156,6 +164,6 @@ def test_profile_log_names_the_split(monkeypatch, caplog):
     finally:
         monkeypatch.delenv("FLASH_DMA_PROFILE")
         profile.refresh()
-    lines = [r.getMessage() for r in caplog.records if r.name == "flash_dma" and "pass=segments" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "flash_dma" and "pass=fwd_h.segments" in r.getMessage()]
     assert any("choice=unsplit" in line for line in lines), lines
     assert any("choice=chunks_per_segment=2" in line and "source=override" in line for line in lines), lines
