@@ -35,12 +35,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from flash_dma.runtime.config import overrides  # noqa: E402
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
 from flash_dma.benchmarks.common import environment  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference, autograd  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.cute import availability  # noqa: E402
-from flash_dma.ops.dynamic_mask_attention.cute.select import BACKEND_ENV  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -64,17 +64,9 @@ GRID_DIMS = {128: list(GRID_KINDS), 64: ["bias full", "mask [1,Hk] + bias full",
                    "empty rows/blocks + bias"]}
 
 
-@contextlib.contextmanager
 def backend(name: str):
-    old = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(BACKEND_ENV)
-        else:
-            os.environ[BACKEND_ENV] = old
+    """The attention backend for the calls inside ("triton", "cute" or "auto")."""
+    return overrides(attention_backend=name)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ is timed too. Writes bench/results/cute-plain-<device>-<date>.txt and .json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -26,11 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from flash_dma.runtime.config import overrides  # noqa: E402
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.cute import availability, plain  # noqa: E402
-from flash_dma.ops.dynamic_mask_attention.cute.select import BACKEND_ENV  # noqa: E402
 
 DTYPE = torch.bfloat16
 SHAPES = [(4, 4096, 16, 64), (4, 4096, 16, 128), (4, 4096, 8, 256)]  # (B, S, H, D)
@@ -38,19 +37,9 @@ QUICK_SHAPES = [(2, 2048, 16, 128)]
 CHECK_HEADS = 2
 
 
-@contextlib.contextmanager
 def backend(name: str):
-    """FLASH_DMA_BACKEND for the calls inside (flash_dma_func reads it per call once the plan
-    selects backends; before that it always runs Triton)."""
-    old = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(BACKEND_ENV)
-        else:
-            os.environ[BACKEND_ENV] = old
+    """The attention backend for the calls inside ("triton", "cute" or "auto")."""
+    return overrides(attention_backend=name)
 
 
 def flops(B, S, H, D, causal, backward):
