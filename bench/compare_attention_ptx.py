@@ -225,27 +225,34 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, args.old_dir)
     only = tuple(args.only.split(",")) if args.only else None
+    return 1 if compare_packages(variants(), compile_ptx, find_kernel, only, args.dump) else 0
+
+
+def compare_packages(cases, compile_fn, find_fn, only, dump) -> int:
+    """Compile every (label, kernel name, constexprs, extra, options) case from flash_dma_old and
+    flash_dma, print same/DIFFERS per case and a total, write both normalised PTX of a differing
+    case into `dump` when given; returns how many differ. compile_fn(kernel, constexprs, extra,
+    options) and find_fn(package, name) are the op's own (compare_gdn_ptx.py uses this too)."""
     same = differ = 0
-    for label, name, constexprs, descs, options in variants():
+    for label, name, constexprs, extra, options in cases:
         if only and not label.startswith(only):
             continue
-        old = normalise(compile_ptx(find_kernel("flash_dma_old", name), constexprs, descs, options))
-        new = normalise(compile_ptx(find_kernel("flash_dma", name), constexprs, descs, options))
+        old = normalise(compile_fn(find_fn("flash_dma_old", name), constexprs, extra, options))
+        new = normalise(compile_fn(find_fn("flash_dma", name), constexprs, extra, options))
         if old == new:
             same += 1
             print(f"same    {label}", flush=True)
         else:
             differ += 1
             print(f"DIFFERS {label}", flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
+            if dump:
+                os.makedirs(dump, exist_ok=True)
                 stem = re.sub(r"[^\w=.-]+", "_", label)
                 for tag, text in (("old", old), ("new", new)):
-                    with open(os.path.join(args.dump, f"{stem}.{tag}.ptx"), "w") as f:
+                    with open(os.path.join(dump, f"{stem}.{tag}.ptx"), "w") as f:
                         f.write(text)
     print(f"{same} variants compile to the same PTX, {differ} differ")
-    return 1 if differ else 0
-
+    return differ
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -25,7 +24,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from compare_attention_ptx import normalise  # noqa: E402
+from compare_attention_ptx import compare_packages  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {"gdn_fwd_h_kernel": "state_pass", "gdn_bwd_dhu_kernel": "bwd_dhu"}
@@ -135,25 +134,7 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, args.old_dir)
     only = tuple(args.only.split(",")) if args.only else None
-    same = differ = 0
-    for label, name, constexprs, absent, options in variants():
-        if only and not label.startswith(only):
-            continue
-        old = normalise(compile_ptx(find_kernel("flash_dma_old", name), constexprs, absent, options))
-        new = normalise(compile_ptx(find_kernel("flash_dma", name), constexprs, absent, options))
-        if old == new:
-            same += 1
-            print(f"same    {label}", flush=True)
-        else:
-            differ += 1
-            print(f"DIFFERS {label}", flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                stem = re.sub(r"[^\w=.-]+", "_", label)
-                for tag, text in (("old", old), ("new", new)):
-                    with open(os.path.join(args.dump, f"{stem}.{tag}.ptx"), "w") as f:
-                        f.write(text)
-    print(f"{same} variants compile to the same PTX, {differ} differ")
+    differ = compare_packages(variants(), compile_ptx, find_kernel, only, args.dump)
     compiled = 0
     if not args.no_segments:
         for label, name, constexprs, absent, options in variants(segments=True):
