@@ -23,6 +23,16 @@ the hooks read element [0] of each index vector accordingly.
 Index ranges: FA4 wraps q and kv indices modulo the lengths before a score_mod and before a
 mask_mod on blocks that it masks for length, but a mask_mod on an interior key block also sees
 query rows past Sq (the last query tile's padding rows): the mask's index is clamped there.
+
+GQA in FA4 4.0.0b36's SM90 backward (`fold`): its apply_score_mod / apply_score_mod_bwd
+(flash_bwd_sm90.py) pass `qhead_per_kvhead=self.qhead_per_kvhead` to softmax.py's
+apply_score_mod_inner / apply_score_mod_bwd_inner, which then decode the index as if the backward
+packed GQA heads into rows (it does not: interface.py forces pack_gqa=False for the backward, and
+its head_idx is already the query head). A score_mod there sees head h*G + q % G and query
+(q // G) mod Sq instead of (h, q); the mask_mod path (mask.py, qhead_per_kvhead_packgqa=1) and the
+forward (which passes G only with pack_gqa) are right. With fold = G the bias hooks undo that:
+h = h' // G, q = q' * G + h' % G, exact for every real row (q < Sq implies q // G < Sq), clamped
+to Sq - 1 for the last tile's padding rows (whose dS is 0).
 """
 from __future__ import annotations
 
@@ -53,6 +63,15 @@ def _pair_element(t, grouped: cutlass.Constexpr, b, h, q, kv):
     return t[b, h, q, kv]
 
 
+def _unfold(h, q, fold: cutlass.Constexpr, seqlen_info):
+    """(head, query) from the indices FA4 b36's SM90 backward hands a score_mod under GQA (see
+    the module notes); unchanged for fold 1."""
+    if cutlass.const_expr(fold > 1):
+        q_real = cutlass.min(q * fold + h % fold, seqlen_info.seqlen_q - 1)
+        return h // fold, q_real
+    return h, q
+
+
 def _pair_pointer(t, grouped: cutlass.Constexpr, b, h, q, kv):
     if cutlass.const_expr(grouped):
         return fa_utils.elem_pointer(t, (b, h // t.shape[2], 0, q, kv))
@@ -60,47 +79,51 @@ def _pair_pointer(t, grouped: cutlass.Constexpr, b, h, q, kv):
 
 
 @functools.lru_cache(maxsize=None)
-def bias_score_mod(bias_slot: int, grouped: bool):
-    """score -> score + bias[b, h, q, kv] (FA4 hands the already scaled score)."""
+def bias_score_mod(bias_slot: int, grouped: bool, fold: int):
+    """score -> score + bias[b, h, q, kv] (FA4 hands the already scaled score). fold: 1 in the
+    forward, the GQA group size in the backward where FA4 mis-packs the indices (_unfold)."""
 
     @cute.jit
     def score_mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         bias = aux_tensors[bias_slot]
+        head, q = _unfold(h[0], q_idx[0], fold, seqlen_info)
         value = cute.make_rmem_tensor(1, bias.element_type)
-        value[0] = _pair_element(bias, grouped, b[0], h[0], q_idx[0], kv_idx[0])
+        value[0] = _pair_element(bias, grouped, b[0], head, q, kv_idx[0])
         return score + value.load().to(Float32)
 
-    return _keyed(score_mod, bias_slot, grouped)
+    return _keyed(score_mod, bias_slot, grouped, fold)
 
 
 @functools.lru_cache(maxsize=None)
-def bias_score_mod_bwd(dbias_slot: int, grouped: bool, atomic: bool):
+def bias_score_mod_bwd(dbias_slot: int, grouped: bool, atomic: bool, fold: int):
     """dS passes through unchanged (d(score + bias)/d score = 1) and is dbias: stored in the
     bias's dtype where every entry has one writer, else added into an fp32 buffer.
 
     Only non-zero dS is written: FA4 also calls this for lanes past the lengths, with indices
     wrapped onto real entries and dS exactly 0 there (their scores are masked), and the buffer
-    starts zeroed, so skipping zeros loses nothing and never overwrites a real entry."""
+    starts zeroed, so skipping zeros loses nothing and never overwrites a real entry.
+    fold: as bias_score_mod's (the GQA group size under FA4 b36's SM90 backward)."""
 
     @cute.jit
     def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         dbias = aux_tensors[dbias_slot]
         g = grad[0]
         if g != Float32(0.0):
+            head, q = _unfold(h[0], q_idx[0], fold, seqlen_info)
             if cutlass.const_expr(atomic):
                 fa_utils.atomic_add_fp32(
-                    g, _pair_pointer(dbias, grouped, b[0], h[0], q_idx[0], kv_idx[0]))
+                    g, _pair_pointer(dbias, grouped, b[0], head, q, kv_idx[0]))
             else:
                 cell = cute.make_rmem_tensor(1, Float32)
                 cell[0] = g
                 stored = cell.load().to(dbias.element_type)
                 if cutlass.const_expr(grouped):
-                    dbias[b[0], h[0] // dbias.shape[2], 0, q_idx[0], kv_idx[0]] = stored[0]
+                    dbias[b[0], head // dbias.shape[2], 0, q, kv_idx[0]] = stored[0]
                 else:
-                    dbias[b[0], h[0], q_idx[0], kv_idx[0]] = stored[0]
+                    dbias[b[0], head, q, kv_idx[0]] = stored[0]
         return grad
 
-    return _keyed(score_mod_bwd, dbias_slot, grouped, atomic)
+    return _keyed(score_mod_bwd, dbias_slot, grouped, atomic, fold)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ How the pieces meet FA4:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -140,9 +141,29 @@ def _aux(pb_shape, mask, bias, dbias_buffer=None):
     return aux, grouped
 
 
-def _hooks(mask, bias, grouped, causal: bool, dbias_mode: str | None, backward: bool):
+@functools.lru_cache(maxsize=None)
+def _bwd_hooks_see_packed_gqa() -> bool:
+    """True while FA4's SM90 backward hands its score_mod / score_mod_bwd GQA-packed indices
+    (4.0.0b36: flash_bwd_sm90.py's apply_score_mod and apply_score_mod_bwd pass
+    qhead_per_kvhead=self.qhead_per_kvhead to softmax.py's apply_score_mod_inner /
+    apply_score_mod_bwd_inner although the backward never packs GQA; the SM100 backward and the
+    SM90 forward pass it only with pack_gqa). Read from FA4's source, so that a fixed FA4 turns
+    the hooks' unfolding off instead of breaking it."""
+    import inspect
+
+    from flash_attn.cute import flash_bwd_sm90
+    cls = flash_bwd_sm90.FlashAttentionBackwardSm90
+    return all("qhead_per_kvhead=self.qhead_per_kvhead," in inspect.getsource(fn)
+               for fn in (cls.apply_score_mod, cls.apply_score_mod_bwd))
+
+
+def _hooks(mask, bias, grouped, causal: bool, dbias_mode: str | None, backward: bool,
+           group_size: int = 1):
+    """group_size: query heads per kv head (used by the backward's bias hooks only)."""
     from . import hooks
-    score_mod = hooks.bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT]) if bias is not None else None
+    fold = group_size if backward and group_size > 1 and _bwd_hooks_see_packed_gqa() else 1
+    score_mod = (hooks.bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], fold)
+                 if bias is not None else None)
     mask_mod = (hooks.keep_mask_mod(MASK_SLOT, grouped[MASK_SLOT], causal)
                 if mask is not None else None)
     score_mod_bwd = None
@@ -151,7 +172,7 @@ def _hooks(mask, bias, grouped, causal: bool, dbias_mode: str | None, backward: 
             score_mod_bwd = hooks.passthrough_score_mod_bwd()
         else:
             score_mod_bwd = hooks.bias_score_mod_bwd(DBIAS_SLOT, grouped[DBIAS_SLOT],
-                                                     dbias_mode == "atomic")
+                                                     dbias_mode == "atomic", fold)
     return score_mod, mask_mod, score_mod_bwd
 
 
@@ -201,7 +222,8 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         buffer = torch.zeros(bias.shape, device=bias.device,
                              dtype=bias.dtype if dbias_mode == "store" else torch.float32)
     aux, grouped = _aux(shape, mask, bias, buffer)
-    score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True)
+    score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True,
+                                                group_size=num_heads // k.shape[2])
     lists = None
     if mask is not None:
         lists = block_sparse.block_lists(
