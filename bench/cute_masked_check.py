@@ -35,12 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from flash_dma.runtime.config import overrides  # noqa: E402
+from cute_plain_check import backend, cute_status_here  # noqa: E402  (bench/ is on sys.path)
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
 from flash_dma.benchmarks.common import environment  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference, autograd  # noqa: E402
-from flash_dma.ops.dynamic_mask_attention.cute import availability  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -64,9 +63,6 @@ GRID_DIMS = {128: list(GRID_KINDS), 64: ["bias full", "mask [1,Hk] + bias full",
                    "empty rows/blocks + bias"]}
 
 
-def backend(name: str):
-    """The attention backend for the calls inside ("triton", "cute" or "auto")."""
-    return overrides(attention_backend=name)
 
 
 @contextlib.contextmanager
@@ -287,6 +283,22 @@ def worst(errs):
     return max([v for k, v in errs.items() if k != "lse"] + [errs.get("lse", 0.0)], default=0.0)
 
 
+def report_speed_row(label, row, names, problems, say) -> None:
+    """One printed line per implementation of a timed row; failures and errors over BOUND also
+    go to `problems`."""
+    for name in names:
+        r = row[name]
+        if "error" in r:
+            problems.append(f"speed {label} {name}: {r['error']}")
+            say(f"  {label:<28} {name:<15} FAILED {r['error']}")
+            continue
+        if r["errors"] and worst(r["errors"]) > BOUND:
+            problems.append(f"speed {label} {name}: errors {fmt_errs(r['errors'])}")
+        backends = f"[{r['backends']}] " if r.get("backends") else ""
+        say(f"  {label:<28} {name:<15} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "
+            f"fwd+bwd {r['fwd_ms'] + r['bwd_ms']:8.3f} ms  {backends}{fmt_errs(r['errors'])}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting rows after this")
@@ -294,8 +306,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    status = availability.cute_backend_status(torch.device("cuda")) if torch.cuda.is_available() \
-        else "no CUDA GPU"
+    status = cute_status_here()
     if status is not None:
         print(f"cannot run: {status}")
         return 2
@@ -349,29 +360,11 @@ def main(argv=None) -> int:
                 continue
             row = speed_row(label, fields, names, deadline)
             speed.append(row)
-            for name in names:
-                r = row[name]
-                if "error" in r:
-                    problems.append(f"speed {label} {name}: {r['error']}")
-                    say(f"  {label:<28} {name:<15} FAILED {r['error']}")
-                    continue
-                if r["errors"] and worst(r["errors"]) > BOUND:
-                    problems.append(f"speed {label} {name}: errors {fmt_errs(r['errors'])}")
-                say(f"  {label:<28} {name:<15} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "
-                    f"fwd+bwd {r['fwd_ms'] + r['bwd_ms']:8.3f} ms  [{r['backends']}] {fmt_errs(r['errors'])}")
+            report_speed_row(label, row, names, problems, say)
         if time.monotonic() < deadline:
             row = keywise_row(deadline)
             speed.append(row)
-            for name in ("triton", "cute-direct", "cute-no-mask"):
-                r = row[name]
-                if "error" in r:
-                    problems.append(f"speed {row['case']} {name}: {r['error']}")
-                    say(f"  {row['case']:<28} {name:<15} FAILED {r['error']}")
-                    continue
-                if r["errors"] and worst(r["errors"]) > BOUND:
-                    problems.append(f"speed {row['case']} {name}: errors {fmt_errs(r['errors'])}")
-                say(f"  {row['case']:<28} {name:<15} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "
-                    f"fwd+bwd {r['fwd_ms'] + r['bwd_ms']:8.3f} ms  {fmt_errs(r['errors'])}")
+            report_speed_row(row["case"], row, ("triton", "cute-direct", "cute-no-mask"), problems, say)
         else:
             problems.append("speed key-wise top-1024: skipped (time budget)")
         say("\n-- ratios (above 1: the first named is slower / costs more) --")

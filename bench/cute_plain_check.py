@@ -128,13 +128,19 @@ def fmt_rate(ms, fl):
     return f"{fl / ms / 1e9:5.0f}" if ms else "  n/a"
 
 
+def cute_status_here() -> str | None:
+    """Why the CuTe backend cannot run on this machine's GPU, or None (cute_masked_check.py too)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return availability.cute_backend_status(torch.device("cuda"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    status = availability.cute_backend_status(torch.device("cuda")) if torch.cuda.is_available() \
-        else "no CUDA GPU"
+    status = cute_status_here()
     if status is not None:
         print(f"cannot run: {status}")
         return 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from helpers import assert_compiled_matches_eager, assert_same
 from conftest import DEVICE, ON_GPU
 from flash_dma import flash_dma_func, flash_dma_varlen_func
 from flash_dma.ops.dynamic_mask_attention.custom_op import attention_fwd
@@ -19,23 +20,6 @@ D = 16
 
 def _leaf(*shape):
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
-
-
-def _assert_same(name, got, ref):
-    assert got is not None and ref is not None, f"{name}: missing"
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    assert torch.equal(got, ref), f"{name}: differs from the eager call"
-
-
-def _check(compiled, fn, leaves):
-    """Compiled and eager: the same loss and the same gradients of every leaf."""
-    ref = fn(*leaves)
-    ref_grads = torch.autograd.grad(ref, leaves)
-    got = compiled(*leaves)
-    grads = torch.autograd.grad(got, leaves)
-    _assert_same("loss", got, ref)
-    for i, (g, r) in enumerate(zip(grads, ref_grads)):
-        _assert_same(f"grad of input {i}", g, r)
 
 
 def test_fixed_length_fullgraph_dynamic():
@@ -57,7 +41,7 @@ def test_fixed_length_fullgraph_dynamic():
         mask = torch.rand(B, 1, S, S + 3, device=DEVICE) < 0.7
         mask[:, :, :, 0] = True
         leaves = [q, k, v, bias]
-        _check(lambda *t: compiled(*t, mask), lambda *t: loss(*t, mask), leaves)
+        assert_compiled_matches_eager(lambda *t: compiled(*t, mask), lambda *t: loss(*t, mask), leaves)
     assert counter.frame_count == 1, f"{counter.frame_count} compilations for two lengths"
 
 
@@ -79,7 +63,7 @@ def test_varlen_fullgraph_dynamic():
         q, k, v = _leaf(total, H, D), _leaf(total, Hk, D), _leaf(total, Hk, D)
         bias = _leaf(len(lengths), H, longest, longest)
         mask = torch.rand(len(lengths), 1, longest, longest, device=DEVICE) < 0.8
-        _check(lambda *t: compiled(*t, mask, cu, longest), lambda *t: loss(*t, mask, cu, longest),
+        assert_compiled_matches_eager(lambda *t: compiled(*t, mask, cu, longest), lambda *t: loss(*t, mask, cu, longest),
                [q, k, v, bias])
     assert counter.frame_count <= 2  # (the number of sequences may specialise once)
 

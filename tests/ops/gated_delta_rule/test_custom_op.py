@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from helpers import assert_compiled_matches_eager, assert_same
 from conftest import DEVICE
 from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
 from flash_dma.ops.gated_delta_rule.custom_op import gated_delta_rule_fwd
@@ -17,21 +18,6 @@ from flash_dma.ops.gated_delta_rule.launch_table import keeps_inverse
 
 def _leaf(*shape):
     return torch.randn(*shape, device=DEVICE, dtype=torch.float32, requires_grad=True)
-
-
-def _assert_same(name, got, ref):
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    assert torch.equal(got, ref), f"{name}: differs from the eager call"
-
-
-def _check(compiled, fn, leaves):
-    ref = fn(*leaves)
-    ref_grads = torch.autograd.grad(ref, leaves)
-    got = compiled(*leaves)
-    grads = torch.autograd.grad(got, leaves)
-    _assert_same("loss", got, ref)
-    for i, (g, r) in enumerate(zip(grads, ref_grads)):
-        _assert_same(f"grad of input {i}", g, r)
 
 
 def test_gates_and_states_fullgraph_dynamic():
@@ -53,7 +39,7 @@ def test_gates_and_states_fullgraph_dynamic():
     for T in (9, 14):
         leaves = [_leaf(B, T, H, K), _leaf(B, T, H, K), _leaf(B, T, HV, V), _leaf(B, T, HV),
                   _leaf(B, T, HV), _leaf(B, HV, K, V)]
-        _check(compiled, loss, leaves)
+        assert_compiled_matches_eager(compiled, loss, leaves)
     assert counter.frame_count == 1, f"{counter.frame_count} compilations for two lengths"
 
 
@@ -74,7 +60,7 @@ def test_per_key_gate_varlen_fullgraph():
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
     leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H, K), _leaf(1, T, H),
               _leaf(n, H, K, V)]
-    _check(compiled, loss, leaves)
+    assert_compiled_matches_eager(compiled, loss, leaves)
 
 
 def test_bwd_dhu_fullgraph_varlen():
@@ -95,7 +81,7 @@ def test_bwd_dhu_fullgraph_varlen():
     torch._dynamo.reset()
     got = torch.compile(run, backend="aot_eager", fullgraph=True, dynamic=True)(q)
     for name, x, r in zip(("dh", "dh0", "dv2"), got, ref):
-        _assert_same(name, x, r)
+        assert_same(name, x, r)
 
 
 def test_custom_op_traced_only_under_compile():

@@ -192,11 +192,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     q, k, v = (plain._tma_ready(t) for t in (q, k, v))
     aux, grouped = _aux(shape, mask, bias)
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
-    lists = None
-    if mask is not None:
-        lists = block_sparse.block_lists(
-            mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            is_causal=causal, block_kv=block_sparse.forward_block_kv(q.shape[-1]), key_major=False)
+    lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=False)
     with device_guard(q.device):
         out, lse = plain._fa4()._flash_attn_fwd(
             q, k, v, softmax_scale=softmax_scale, causal=causal and mask is None,
@@ -205,6 +201,18 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     # rows with no visible key (the mask, causal with Sq > Sk, or a bias of -inf): FA4's -inf
     plain._empty_rows_to_plus_inf(lse)
     return out, lse
+
+
+def _tile_lists(mask, shape, causal: bool, head_dim: int, key_major: bool):
+    """FA4's tile lists of a mask (None without one): query-major at the forward's key tile,
+    key-major at the backward's."""
+    if mask is None:
+        return None
+    batch, num_heads, seqlen_q, seqlen_k = shape
+    block_kv = (block_sparse.backward_block_kv if key_major else block_sparse.forward_block_kv)(head_dim)
+    return block_sparse.block_lists(mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q,
+                                    seqlen_k=seqlen_k, is_causal=causal, block_kv=block_kv,
+                                    key_major=key_major)
 
 
 def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale: float,
@@ -224,11 +232,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
     aux, grouped = _aux(shape, mask, bias, buffer)
     score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True,
                                                 group_size=num_heads // k.shape[2])
-    lists = None
-    if mask is not None:
-        lists = block_sparse.block_lists(
-            mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            is_causal=causal, block_kv=block_sparse.backward_block_kv(q.shape[-1]), key_major=True)
+    lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=True)
     with device_guard(q.device):
         dq, dk, dv = plain._fa4()._flash_attn_bwd(
             q, k, v, out, dout, lse.contiguous(), softmax_scale=softmax_scale,
