@@ -41,6 +41,7 @@ from flash_dma.benchmarks import attention as peers  # noqa: E402
 from flash_dma.benchmarks.common import environment  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference, autograd  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to  # noqa: E402
+from flash_dma.runtime.config import overrides  # noqa: E402
 
 DTYPE = torch.bfloat16
 BOUND = 1e-2
@@ -304,8 +305,17 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting rows after this")
     parser.add_argument("--skip-grid", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--cute-bias", action="store_true",
+                        help="let a bias take the CuTe path (declared choice attention_cute_bias), to check its hooks")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
+    if args.cute_bias:
+        with overrides(attention_cute_bias=True):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args) -> int:
     status = cute_status_here()
     if status is not None:
         print(f"cannot run: {status}")
