@@ -548,8 +548,6 @@ def test_gpu_cute_mask_and_bias_broadcasts(on_cute, kind, causal, head_dim):
     from flash_dma.ops.dynamic_mask_attention import sparsity
     if mask is not None and sparsity.choose_mode(mask, H, Hk) == sparsity.KV_GATHERED:
         assert on_cute == [("fwd", "triton"), ("bwd", "triton")]  # gathered keys stay on Triton
-    elif bias is not None:
-        assert on_cute == [("fwd", "triton"), ("bwd", "triton")]  # cute/masked.BIAS_GAP
     else:
         assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, B, H, Sq, Sk))]
 
@@ -565,7 +563,7 @@ def test_gpu_cute_dbias_every_head_and_batch_broadcast(on_cute, bias_shape, bias
     q, k, v, mask, bias = make_inputs(2, 130, 200, 4, 2, 128, dtype, (2, 1, 130, 200), bias_shape,
                                       bias_dtype=bias_dtype)
     check_against_reference(q, k, v, mask, bias, True, dtype)
-    assert on_cute == [("fwd", "triton"), ("bwd", "triton")]  # cute/masked.BIAS_GAP
+    assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, 2, 4, 130, 200))]
 
 
 @pytest.mark.gpu
@@ -576,7 +574,7 @@ def test_gpu_cute_fully_masked_rows_and_empty_tiles(on_cute, head_dim):
     dtype = torch.bfloat16
     B, Sq, Sk, H = 1, 400, 390, 2
     q, k, v, _, _ = make_inputs(B, Sq, Sk, H, H, head_dim, dtype, None, None)
-    bias = None  # a bias runs on Triton (cute/masked.BIAS_GAP)
+    bias = None
     mask = torch.rand(B, H, Sq, Sk, device=DEVICE) < 0.5
     mask[:, :, 3] = False            # one empty row per head
     mask[:, 1, 128:256] = False      # a whole empty query block in one head

@@ -37,15 +37,15 @@ MASKED_HEAD_DIMS = (64, 128, 256)
 BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
 
 
-# Measured on the H200 (bench/cute_masked_check.py, bench/results/cute-masked-NVIDIA-H200-20261126.txt):
-# the bias hooks' backward gave wrong dq/dk/dv/dbias (relative errors near 1, some inf) in every
-# bias case of the grid, and their forward ran at 0.61x the Triton backend's (element-at-a-time
-# bias loads). Until both are fixed a bias never takes this path.
-BIAS_GAP = ("the CuTe backend's bias path is not validated (its backward failed the GPU check and "
-            "its forward ran slower than Triton's)")
-declare_choice("attention_cute_bias", False, (False, True),
-               "let the CuTe backend take a bias (off: its hooks failed the GPU check; on for their "
-               "tests and for debugging them)")
+# The bias hooks: the backward's GQA fault (FA4 b36's SM90 backward hands them GQA-packed
+# indices, unfolded in hooks.py) fixed and checked on the GPU over cute_masked_check's grid
+# (bench/results/cute-bias-grid-H100-20261126.log: every bias shape, GQA, causal, fp32 bias,
+# stored and atomic dbias). The choice stays so that debugging can turn the path off; the
+# auto rule (select.py) still keeps biases on Triton, whose forward measured faster.
+BIAS_GAP = "the CuTe backend's bias path is turned off (declared choice attention_cute_bias)"
+declare_choice("attention_cute_bias", True, (False, True),
+               "let a forced CuTe backend take a bias through its score_mod hooks (auto keeps "
+               "biases on Triton either way)")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,

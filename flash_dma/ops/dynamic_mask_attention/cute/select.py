@@ -62,6 +62,9 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     if has_mask:  # bench/results/cute-masked-NVIDIA-H200-20261126.txt: 1/8 tiles, fwd+bwd
         return "triton", ("auto: masks run on Triton (the CuTe mask path measured slower: forward "
                           "0.36x, forward + backward 0.78x); FLASH_DMA_BACKEND=cute forces it")
+    if has_bias:  # the same file: dense bias forward
+        return "triton", ("auto: biases run on Triton (the CuTe bias forward measured 1.6x slower: "
+                          "its hooks load the bias element by element); FLASH_DMA_BACKEND=cute forces it")
     status = availability.cute_backend_status(device)
     if status is not None:
         return "triton", f"auto: {status}"

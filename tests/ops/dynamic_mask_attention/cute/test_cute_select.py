@@ -63,17 +63,19 @@ def test_auto_picks_cute_for_plain_attention_where_it_runs(status):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_masks_and_biases_stay_on_triton_under_auto_and_masks_go_to_cute_when_forced(status, head_dim):
-    """Measured on the H200: the CuTe mask path is slower than Triton's (auto keeps Triton; forcing
-    CuTe takes it), and its bias path failed the GPU check (never taken)."""
+def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(status, head_dim):
+    """Measured on the H200: the CuTe mask and bias paths are slower than Triton's (auto keeps
+    Triton; forcing CuTe takes them, the bias path unless turned off)."""
     status(None)
-    for change, words in ((dict(has_mask=True), "masks run on Triton"), (dict(has_bias=True), "bias path"),
-                          (dict(has_mask=True, has_bias=True), "bias path")):
+    for change, words in ((dict(has_mask=True), "masks run on Triton"), (dict(has_bias=True), "biases run on Triton"),
+                          (dict(has_mask=True, has_bias=True), "masks run on Triton")):
         backend, reason = choose_backend("cuda", requested="auto",
                                          **{**PLAIN, "head_dim": head_dim, **change})
         assert backend == "triton" and words in reason, reason
-    assert choose_backend("cuda", requested="cute", **{**PLAIN, "head_dim": head_dim, "has_mask": True})[0] == "cute"
-    assert choose_backend("cuda", requested="cute", **{**PLAIN, "head_dim": head_dim, "has_bias": True})[0] == "triton"
+        assert choose_backend("cuda", requested="cute", **{**PLAIN, "head_dim": head_dim, **change})[0] == "cute"
+    with config.overrides(attention_cute_bias=False):
+        backend, reason = choose_backend("cuda", requested="cute", **{**PLAIN, "head_dim": head_dim, "has_bias": True})
+        assert backend == "triton" and "attention_cute_bias" in reason, reason
 
 
 def test_auto_falls_back_with_the_status_as_reason(status):
@@ -85,9 +87,9 @@ def test_auto_falls_back_with_the_status_as_reason(status):
 
 @pytest.mark.parametrize("change, words", [
     (dict(has_mask=True, varlen=True), "varlen path with a mask"),
-    (dict(has_bias=True, varlen=True), "bias path"),
-    (dict(has_mask=True, has_bias=True, varlen=True), "bias path"),
-    (dict(has_mask=True, head_dim=96), "not 96"), (dict(has_bias=True, head_dim=192), "bias path"),
+    (dict(has_bias=True, varlen=True), "varlen path with a bias"),
+    (dict(has_mask=True, has_bias=True, varlen=True), "varlen path with a mask and bias"),
+    (dict(has_mask=True, head_dim=96), "not 96"), (dict(has_bias=True, head_dim=192), "not 192"),
     (dict(has_mask=True, key_wise_mask=True), "gathered keys"),
     (dict(head_dim=80), "head dim 80"), (dict(head_dim=32), "head dim 32"),
     (dict(dtype=torch.float32), "torch.float32"),
