@@ -1,76 +1,49 @@
 """Context parallelism of the chunked gated delta rule over packed sequences.
 
 Each rank holds a shard of the packed tokens (CPContext: contiguous, or zigzag); a sequence may
-lie in one rank or run through several. Per chunk the state recursion is affine in the state,
-S' = A S + B, the same A [K, K] for every one of the V columns (segments.py). So a piece of a
-sequence maps the state entering it to the state leaving it by S_end = M S_start + N: N is the
-piece run from a zero state, M the piece run from the identity with zero values. Per layer:
+lie in one rank or run through several, one piece per rank range. Every rank runs ONE op call
+over all its pieces, at the same time as the others, and the ranks meet only inside the op's
+sequence split (ops/gated_delta_rule/segments.py): the op cuts every piece into segments and
+runs them side by side from zero states, then joins them. Here the join also crosses ranks.
 
-1. before the exchange, each rank runs the pieces whose end state a later piece needs
-   ("carrying" pieces): one that starts its sequence here runs from its true initial state (its
-   end state is then N, and M is not needed); one that continues a sequence from an earlier rank
-   runs with values [v | 0] (width V + K) from [0 | I], whose end state is [N | M] at once;
-2. one all-gather of every rank's [N | M] (differentiable: backward sums the state gradients
-   back into their owners), and on every rank the sequential join of segments.py
-   (join_segments: S_{j+1} = M_j S_j + N_j along each sequence's pieces) gives each continuing
-   piece its true starting state;
-3. each rank runs its continuing pieces from those states (and the pieces that need no state
-   from elsewhere, where no call of step 1 took them), giving outputs and final states.
+Per chunk the state recursion is affine, S' = A S + B, the same A [K, K] for every value column,
+so a piece maps the state entering it to the state leaving it by S_end = M S_start + N. The
+segments give each piece's N and M cheaply: a join of its segments' (transition, local end
+state) from [initial | I] with [local | 0] gives [N | M] (V + K columns, a few small products).
 
-Autograd runs backward through all of it: the op's own backward with the state gradients
-(dh0, dht) flowing through the join's backward (the same join run right to left on transposed
-M, segments.py) and the all-gather's reduce-scatter. Initial and final states are supported.
+Forward (the state pass's join, `_StateExchange.forward_join`):
+1. compose [N | M] of every piece that carries its sequence on to a later rank (N includes the
+   sequence's initial state where the piece starts the sequence);
+2. one all-gather of those; every rank joins each sequence's pieces left to right
+   (S_{j+1} = M_j S_j + N_j, segments.join_segments) and takes the states entering its pieces;
+3. the op's own join from those states, and its second state pass: per-chunk states, outputs.
+Backward (bwd_dhu's join, `backward_join`): the same right to left. bwd_dhu's transitions are the
+forward's transposed; the composed [Nb | Mb] of every piece that continues a sequence from an
+earlier rank travels, and each carrying piece gets the state gradient at its end.
 
-Cost against one process: a piece that starts its sequence runs once; a piece continuing a
-sequence from an earlier rank runs once more (step 1) where it also carries into the next rank,
-with V + K value columns (two calls, of width V and K, where V + K exceeds the op's head-dim
-limit). At most two op calls per rank and layer, one all-gather of W x [HV, K, V + K] fp32 per
-carried piece (of W x [HV, K, V] where no rank holds a sequence's middle).
+Cost against one process: the op as a sequence split would run it (what launch_table's rule
+does anyway for long sequences with few heads), plus per layer two joins of V + K columns over a
+piece's segments and two all-gathers of [HV, K, V + K] fp32 per carried piece. The backward
+recomputes the states from the pieces' entering states kept by the forward, with no exchange.
+No rank waits for another's kernels: every rank sends what its own first state pass gives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.gated_delta_rule import chunk_gated_delta_rule
+from ..ops.gated_delta_rule.autograd import ChunkGatedDeltaRuleFunction, run_backward
+from ..ops.gated_delta_rule.autograd import forward as op_forward
+from ..ops.gated_delta_rule.checks import check_op_inputs
+from ..ops.gated_delta_rule.interface import op_arguments
+from ..ops.gated_delta_rule.layout import as_rows, chunk_layout
+from ..ops.gated_delta_rule.plan import plan_context_parallel
 from ..ops.gated_delta_rule.segments import SegmentLayout, join_segments
+from ..runtime.autograd import first_order_only
+from ..runtime.hardware import device_guard
 from ..runtime.validation import check_tensor
-from .context import CPContext, Piece, gather_shards
-
-# The op's head-dim limit: a continuing piece's [v | 0] (V + K columns) runs as one call up to it.
-_MAX_STATE_COLUMNS = 256
-
-
-# ------------------------------------------------------------------------------------------------
-# The sequential join, differentiable
-# ------------------------------------------------------------------------------------------------
-class _JoinPieces(torch.autograd.Function):
-    """starts[j] (state entering slot j) and final[s] (state leaving sequence s's last slot) of
-    S_{j+1} = M_j S_j + N_j from a zero state. Backward: the adjoint recursion
-    lambda_j = M_j^T lambda_{j+1} + dstarts_j, right to left from dfinal, is the same join
-    (reverse, on M^T); it stores lambda_{j+1} = dN_j at slot j, and dM_j = lambda_{j+1} S_j^T."""
-
-    @staticmethod
-    def forward(ctx, transition, local, layout: SegmentLayout):
-        starts, final = join_segments(transition, local, layout, None)
-        ctx.save_for_backward(transition, starts)
-        ctx.layout = layout
-        return starts, final
-
-    @staticmethod
-    def backward(ctx, d_starts, d_final):
-        transition, starts = ctx.saved_tensors
-        d_local, _ = join_segments(transition.transpose(-1, -2).contiguous(), d_starts.float().contiguous(),
-                                   ctx.layout, d_final.float().contiguous(), reverse=True)
-        d_transition = d_local @ starts.transpose(-1, -2)
-        return d_transition, d_local, None
-
-
-def join_pieces(transition: torch.Tensor, local: torch.Tensor, layout: SegmentLayout):
-    """transition [S, HV, K, K], local [S, HV, K, V] fp32 of S pieces grouped by sequence
-    (layout.first_slot / slot_count); returns (starts [S, HV, K, V], final [n, HV, K, V])."""
-    return _JoinPieces.apply(transition.float().contiguous(), local.float().contiguous(), layout)
+from .context import CPContext, Piece, _all_gather_single
 
 
 def join_layout(first_slot: list[int], slot_count: list[int], device) -> SegmentLayout:
@@ -81,166 +54,195 @@ def join_layout(first_slot: list[int], slot_count: list[int], device) -> Segment
                          torch.tensor(slot_count, dtype=torch.int32, device=device))
 
 
-class _Tie(torch.autograd.Function):
-    """x unchanged, made to depend on `anchor` with a zero gradient: every rank then runs the
-    exchange's backward (a collective) even where its outputs do not use the exchanged states."""
-
-    @staticmethod
-    def forward(ctx, x, anchor):
-        ctx.anchor_shape, ctx.anchor_dtype = anchor.shape, anchor.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dx):
-        return dx, torch.zeros(ctx.anchor_shape, dtype=ctx.anchor_dtype, device=dx.device)
-
-
 # ------------------------------------------------------------------------------------------------
-# The plan: which pieces run in which call, and where the exchanged states go
+# The plan: this rank's pieces, and what travels in each direction
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class _Call:
-    """One op call over some of this rank's pieces (in local order)."""
-    pieces: tuple[Piece, ...]
-    runs: tuple[tuple[int, int], ...]  # the pieces' local token ranges, adjacent ones merged
-    cu_seqlens: torch.Tensor  # int32 offsets of the pieces in the call's tokens
-    offsets: tuple[int, ...]  # each piece's first token in the call
-    seq_ids: torch.Tensor  # long [n]: each piece's sequence
-    identity_rows: torch.Tensor | None  # bool [n]: pieces run from [0 | I] (pre call)
-    joined_rows: torch.Tensor | None  # bool [n]: pieces run from an exchanged state (post call)
-    start_index: torch.Tensor | None  # long [n]: row of cat(starts, final) for joined rows, else 0
-    final_rows: torch.Tensor | None  # long: pieces whose end state is their sequence's final state
-    final_seqs: torch.Tensor | None  # long: ... and those sequences
-    has_identity: bool  # host copies of identity_rows.any(), joined_rows.any()
-    has_joined: bool
+class _Direction:
+    """One direction of the exchange (forward: states; backward: state gradients)."""
+    send_rows: torch.Tensor  # long: local pieces whose composed [N | M] this rank sends, in order
+    slots_per_rank: int  # rows each rank sends (padded to the largest count)
+    join_index: torch.Tensor  # long [S]: gathered row of every join slot
+    layout: SegmentLayout  # the join's slots, grouped by sequence
+    receive_index: torch.Tensor  # long [n]: row of cat(join starts, finals) each local piece takes
+    receives: torch.Tensor  # bool [n]: the pieces that take one
+    reverse: bool
 
 
 @dataclass
 class _DeltaRulePlan:
-    pre: _Call | None  # before the exchange: the carrying pieces
-    post: _Call | None  # after it
-    exchange: bool  # some piece continues a sequence from another piece
-    slots_per_rank: int  # carried states each rank sends (padded to the largest count)
-    any_transition: bool  # some rank carries a piece that did not start its sequence (M needed)
-    send_rows: torch.Tensor | None  # long: rows of the pre call's end states this rank sends
-    join_index: torch.Tensor | None  # long [S]: gathered slot of every join slot
-    layout: SegmentLayout | None
-    output_parts: tuple[tuple[int, int, int], ...]  # (call 0 pre / 1 post, offset in call, length)
+    pieces: tuple[Piece, ...]  # this rank's, in local order (they tile its tokens)
+    cu_seqlens: torch.Tensor  # int32 [n + 1]: the pieces as the op's packed sequences
+    seq_ids: torch.Tensor  # long [n]: each piece's sequence
+    starts_sequence: torch.Tensor  # bool [n]
+    final_rows: torch.Tensor  # long: pieces that end their sequence ...
+    final_seqs: torch.Tensor  # long: ... and those sequences
     empty_seqs: torch.Tensor | None  # long: empty sequences whose final state this rank returns
+    forward: _Direction | None  # None: no sequence crosses a rank boundary
+    backward: _Direction | None
 
 
-def _merge_runs(ranges) -> tuple[tuple[int, int], ...]:
-    runs: list[list[int]] = []
-    for s, e in ranges:
-        if runs and runs[-1][1] == s:
-            runs[-1][1] = e
-        else:
-            runs.append([s, e])
-    return tuple((s, e) for s, e in runs)
-
-
-def _make_call(pieces, device, identity=None, joined=None, start_index=None) -> _Call | None:
-    if not pieces:
-        return None
-    pieces = tuple(sorted(pieces, key=lambda p: p.local_start))
-    offsets, total = [], 0
-    for p in pieces:
-        offsets.append(total)
-        total += p.length
+def _direction(ctx: CPContext, sends, slots_of, reverse: bool) -> _Direction:
+    """sends(piece): whether a piece's composed map travels; slots_of(pieces of a sequence in
+    global order): the join's slots (pieces) and, per receiving piece, its row in
+    cat(starts, finals) as a function of (first slot, sequence's join index, total slots)."""
+    device = ctx.device
+    senders = [[p for p in ctx.pieces[r] if sends(p)] for r in range(ctx.world_size)]
+    per_rank = max(len(s) for s in senders)
+    by_seq: dict[int, list[Piece]] = {}
+    for rank_pieces in ctx.pieces:
+        for p in rank_pieces:
+            by_seq.setdefault(p.seq, []).append(p)
+    joined = [s for s in sorted(by_seq) if len(by_seq[s]) > 1]
+    seq_pieces = {s: sorted(by_seq[s], key=lambda p: p.global_start) for s in joined}
+    total = sum(len(seq_pieces[s]) - 1 for s in joined)
+    first_slot, slot_count, join_index, receive = [], [], [], {}
+    for j, s in enumerate(joined):
+        slots, rows = slots_of(seq_pieces[s])
+        first = len(join_index)
+        first_slot.append(first)
+        slot_count.append(len(slots))
+        join_index += [p.rank * per_rank + senders[p.rank].index(p) for p in slots]
+        for p, (kind, offset) in rows.items():
+            receive[p] = first + offset if kind == "start" else total + j
     long = dict(dtype=torch.long, device=device)
-    final_rows = [i for i, p in enumerate(pieces) if p.ends_sequence]
-    return _Call(
-        pieces, _merge_runs((p.local_start, p.local_start + p.length) for p in pieces),
-        torch.tensor(offsets + [total], dtype=torch.int32, device=device), tuple(offsets),
-        torch.tensor([p.seq for p in pieces], **long),
-        None if identity is None else torch.tensor([p in identity for p in pieces], dtype=torch.bool, device=device),
-        None if joined is None else torch.tensor([p in joined for p in pieces], dtype=torch.bool, device=device),
-        None if start_index is None else torch.tensor([start_index.get(p, 0) for p in pieces], **long),
-        torch.tensor(final_rows, **long), torch.tensor([pieces[i].seq for i in final_rows], **long),
-        bool(identity) and any(p in identity for p in pieces), bool(joined) and any(p in joined for p in pieces))
+    local = ctx.local_pieces
+    return _Direction(
+        torch.tensor([i for i, p in enumerate(local) if sends(p)], **long), per_rank,
+        torch.tensor(join_index, **long), join_layout(first_slot, slot_count, device),
+        torch.tensor([receive.get(p, 0) for p in local], **long),
+        torch.tensor([p in receive for p in local], dtype=torch.bool, device=device), reverse)
+
+
+def _forward_slots(pieces):
+    """Forward: slots p_0 .. p_{m-1} (each carries); p_i enters with the join's start of slot i,
+    the last with the sequence's final state."""
+    m = len(pieces) - 1
+    rows = {p: ("start", i) for i, p in enumerate(pieces[1:m], start=1)}
+    rows[pieces[m]] = ("final", 0)
+    return pieces[:m], rows
+
+
+def _backward_slots(pieces):
+    """Backward (right to left): slots p_1 .. p_m (each sends its start gradient back); p_i
+    (0 < i < m) leaves with the join's start of slot p_i (what enters it from the right), p_0
+    with the sequence's final gradient."""
+    m = len(pieces) - 1
+    rows = {p: ("start", i - 1) for i, p in enumerate(pieces[1:m], start=1)}
+    rows[pieces[0]] = ("final", 0)
+    return pieces[1:], rows
 
 
 def _plan(ctx: CPContext) -> _DeltaRulePlan:
     plan = ctx.plans.get("gated_delta_rule")
     if plan is not None:
         return plan
-    device, world = ctx.device, ctx.world_size
-    carrying = [[p for p in ctx.pieces[r] if not p.ends_sequence] for r in range(world)]
-    slots_per_rank = max(len(c) for c in carrying)
-    any_transition = any(not p.starts_sequence for c in carrying for p in c)
-
-    # join slots: the carrying pieces of each sequence that continues past a piece, in global order
-    by_seq: dict[int, list[Piece]] = {}
-    for rank_pieces in ctx.pieces:
-        for p in rank_pieces:
-            by_seq.setdefault(p.seq, []).append(p)
-    first_slot, slot_count, join_index, start_index = [], [], [], {}
-    joined_seqs = [s for s in sorted(by_seq) if len(by_seq[s]) > 1]
-    total_slots = sum(len(by_seq[s]) - 1 for s in joined_seqs)
-    for j, s in enumerate(joined_seqs):
-        seq_pieces = sorted(by_seq[s], key=lambda p: p.global_start)
-        first = len(join_index)
-        first_slot.append(first)
-        slot_count.append(len(seq_pieces) - 1)
-        for p in seq_pieces[:-1]:
-            join_index.append(p.rank * slots_per_rank + carrying[p.rank].index(p))
-        for i, p in enumerate(seq_pieces[1:], start=1):
-            # the state entering piece i: the join's start of slot i, or the sequence's end of it
-            start_index[p] = first + i if i < len(seq_pieces) - 1 else total_slots + j
-    exchange = bool(joined_seqs)
-
+    device = ctx.device
     local = ctx.local_pieces
-    carried = [p for p in local if not p.ends_sequence]
-    continuing = [p for p in local if not p.starts_sequence]
-    own = [p for p in local if p.starts_sequence and p.ends_sequence]
-    pre_pieces, post_pieces = list(carried), list(continuing)
-    if post_pieces or not pre_pieces:
-        post_pieces += own
-    else:
-        pre_pieces += own
-    identity = {p for p in carried if not p.starts_sequence}
-    pre = _make_call(pre_pieces, device, identity=identity)
-    post = _make_call(post_pieces, device, joined=set(continuing), start_index=start_index)
-
-    # the rank's output: the pre call's pieces that started here, the post call's pieces
-    parts = []
-    if pre is not None:
-        parts += [(p.local_start, 0, off, p.length) for p, off in zip(pre.pieces, pre.offsets)
-                  if p.starts_sequence]
-    if post is not None:
-        parts += [(p.local_start, 1, off, p.length) for p, off in zip(post.pieces, post.offsets)]
-    merged: list[list[int]] = []
-    for _, call, off, n in sorted(parts):
-        if merged and merged[-1][0] == call and merged[-1][1] + merged[-1][2] == off:
-            merged[-1][2] += n
-        else:
-            merged.append([call, off, n])
+    offsets = [0]
+    for p in local:
+        if p.local_start != offsets[-1]:
+            raise AssertionError(f"rank {ctx.rank}'s pieces do not tile its tokens: {local}")
+        offsets.append(offsets[-1] + p.length)
+    long = dict(dtype=torch.long, device=device)
+    crosses = any(not p.starts_sequence or not p.ends_sequence for r in ctx.pieces for p in r)
     empty = [s for s in range(ctx.num_seqs)
              if ctx.cu_seqlens[s] == ctx.cu_seqlens[s + 1] and ctx.final_state_owner(s) == ctx.rank]
-    long = dict(dtype=torch.long, device=device)
-    send_rows = None
-    if exchange:
-        send_rows = torch.tensor([i for i, p in enumerate(pre.pieces) if not p.ends_sequence] if pre else [], **long)
+    final_rows = [i for i, p in enumerate(local) if p.ends_sequence]
     plan = _DeltaRulePlan(
-        pre, post, exchange, slots_per_rank, any_transition, send_rows,
-        torch.tensor(join_index, **long) if exchange else None,
-        join_layout(first_slot, slot_count, device) if exchange else None,
-        tuple((c, o, n) for c, o, n in merged), torch.tensor(empty, **long) if empty else None)
+        local, torch.tensor(offsets, dtype=torch.int32, device=device),
+        torch.tensor([p.seq for p in local], **long),
+        torch.tensor([p.starts_sequence for p in local], dtype=torch.bool, device=device),
+        torch.tensor(final_rows, **long), torch.tensor([local[i].seq for i in final_rows], **long),
+        torch.tensor(empty, **long) if empty else None,
+        _direction(ctx, lambda p: not p.ends_sequence, _forward_slots, False) if crosses else None,
+        _direction(ctx, lambda p: not p.starts_sequence, _backward_slots, True) if crosses else None)
     ctx.plans["gated_delta_rule"] = plan
     return plan
 
 
 # ------------------------------------------------------------------------------------------------
+# The exchange, inside the op's joins
+# ------------------------------------------------------------------------------------------------
+class _StateExchange:
+    """The joins of one call's state passes (plan.forward_join / backward_join of the op), which
+    add what enters each piece from other ranks. Keeps the states entering the pieces (the
+    backward recomputes from them)."""
+
+    def __init__(self, plan: _DeltaRulePlan, group, world_size: int):
+        self.plan, self.group, self.world_size = plan, group, world_size
+        self.piece_starts = None
+
+    def _compose(self, transition, local, seg, start, reverse: bool) -> torch.Tensor:
+        """[N | M] of every piece: its segments joined from [start | I] with [local | 0]."""
+        n, HV, K, _ = start.shape
+        eye = torch.eye(K, device=local.device, dtype=torch.float32).expand(n, HV, K, K)
+        local_ext = torch.cat([local, local.new_zeros(local.shape[:3] + (K,))], -1)
+        _, composed = join_segments(transition, local_ext, seg, torch.cat([start, eye], -1), reverse=reverse)
+        return composed
+
+    def _exchange(self, direction: _Direction, composed: torch.Tensor, V: int) -> torch.Tensor:
+        """What enters each local piece from the other ranks (zeros where nothing does)."""
+        rows = composed.index_select(0, direction.send_rows)
+        pad = direction.slots_per_rank - rows.shape[0]
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros((pad,) + rows.shape[1:])], 0)
+        gathered = rows.new_empty((self.world_size * rows.shape[0],) + rows.shape[1:])
+        _all_gather_single(gathered, rows.contiguous(), group=self.group)
+        slots = gathered.index_select(0, direction.join_index)
+        starts, finals = join_segments(slots[..., V:].contiguous(), slots[..., :V].contiguous(),
+                                       direction.layout, None, reverse=direction.reverse)
+        entering = torch.cat([starts, finals], 0).index_select(0, direction.receive_index)
+        return torch.where(direction.receives[:, None, None, None], entering, torch.zeros_like(entering))
+
+    def _join(self, direction, transition, local, seg, start, reverse: bool):
+        n = self.plan.cu_seqlens.numel() - 1
+        HV, K, V = local.shape[1:]
+        if start is None:
+            start = torch.zeros(n, HV, K, V, device=local.device, dtype=torch.float32)
+        start = start.float()
+        if direction is not None:
+            start = start + self._exchange(direction, self._compose(transition, local, seg, start, reverse), V)
+        if not reverse:
+            self.piece_starts = start
+        return join_segments(transition, local, seg, start, reverse=reverse)
+
+    def forward_join(self, transition, local, seg, initial):
+        return self._join(self.plan.forward, transition, local, seg, initial, reverse=False)
+
+    def backward_join(self, transition, local, seg, dht):
+        return self._join(self.plan.backward, transition, local, seg, dht, reverse=True)
+
+
+class _ContextParallelDeltaRule(torch.autograd.Function):
+    """The op over this rank's pieces with the exchange in its joins (a collective in the
+    forward and one in the backward: every rank of the group calls both)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, gk, beta, scale, piece_initial, cu_seqlens, exchange: _StateExchange):
+        layout = chunk_layout(1, q.shape[1], cu_seqlens)
+        plan = plan_context_parallel(q, v, g is not None, gk is not None, layout, exchange.forward_join, None)
+        with device_guard(q.device):
+            o, finals, g_cum, ai = op_forward(plan, layout, q, k, v, g, gk, beta, scale, piece_initial, True)
+            layout.zero_rows_outside(o)
+        ctx.save_for_backward(q, k, v, g, gk, beta, exchange.piece_starts, g_cum, ai)
+        ctx.layout, ctx.scale = layout, scale
+        ctx.plan = replace(plan, forward_join=None, backward_join=exchange.backward_join)
+        return o, finals
+
+    @staticmethod
+    def backward(ctx, do, dfinals):
+        q, k, v, g, gk, beta, piece_starts, g_cum, ai = ctx.saved_tensors
+        dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
+                                                       piece_starts, g_cum, ai, do, dfinals)
+        return first_order_only("cp_chunk_gated_delta_rule",
+                                (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
+                                (q, k, v, g, gk, beta))
+
+
+# ------------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------------
-def _take(x: torch.Tensor | None, call: _Call) -> torch.Tensor | None:
-    """The call's tokens of a [1, T_local, ...] tensor (a view where they are one run)."""
-    if x is None:
-        return None
-    parts = [x.narrow(1, s, e - s) for s, e in call.runs]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
 def _check(q, k, v, g, beta, gk, initial_state, ctx: CPContext):
     if not isinstance(ctx, CPContext):
         raise TypeError(f"cp_context: expected a CPContext from build_cp_context, got {type(ctx).__name__}")
@@ -274,94 +276,43 @@ def cp_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     replicated across it). Returns (o [1, T_local, HV, V], final_state [N, HV, K, V] or None):
     final_state holds the sequences that end on this rank (cp_context.final_state_owner) and
     zeros elsewhere, so its sum over the group is the one-process final state.
+    Every rank of the group must call it (and run its backward) for every layer.
     """
     _check(q, k, v, g, beta, gk, initial_state, cp_context)
     plan = _plan(cp_context)
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    dev = q.device
-    wide = plan.any_transition and V + K <= _MAX_STATE_COLUMNS
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, gk, beta, initial_state))
-
-    def run(call: _Call, values, initial, final: bool):
-        return chunk_gated_delta_rule(_take(q, call), _take(k, call), values, _take(g, call), _take(beta, call),
-                                      scale=scale, initial_state=initial, output_final_state=final,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      cu_seqlens=call.cu_seqlens, gk=_take(gk, call))
-
-    def user_initial(call: _Call):
-        if initial_state is None:
-            return None
-        return initial_state.index_select(0, call.seq_ids)
-
-    outputs, ends = [None, None], [None, None]
-    gathered = None
-    if plan.pre is not None:
-        call = plan.pre
-        v_pre, init = _take(v, call), user_initial(call)
-        has_identity = call.has_identity
-        if has_identity and wide:
-            # [v | 0] from [h0 | 0] or [0 | I]: end states [N | M] in one call
-            v_pre = torch.cat([v_pre, v_pre.new_zeros(v_pre.shape[:3] + (K,))], -1)
-            n = len(call.pieces)
-            base = torch.zeros(n, HV, K, V, device=dev) if init is None else init
-            base = torch.cat([base, torch.zeros(n, HV, K, K, device=dev)], -1)
-            eye = torch.cat([torch.zeros(K, V, device=dev), torch.eye(K, device=dev)], -1)
-            init = torch.where(call.identity_rows[:, None, None, None], eye.expand(n, HV, K, V + K), base)
-        elif has_identity and init is not None:  # N of a continuing piece: from a zero state
-            init = torch.where(call.identity_rows[:, None, None, None], torch.zeros_like(init), init)
-        o_pre, end_pre = run(call, v_pre, init, True)
-        outputs[0], ends[0] = o_pre[..., :V], end_pre[..., :V]
-        send = end_pre
-        if has_identity and not wide:
-            # M from a call of its own: values of width K zero, from the identity (the pieces
-            # that started here need no M: theirs is dropped)
-            eye = torch.eye(K, device=dev).expand(len(call.pieces), HV, K, K).contiguous()
-            _, m = run(call, v_pre.new_zeros(v_pre.shape[:3] + (K,)), eye, True)
-            m = torch.where(call.identity_rows[:, None, None, None], m, torch.zeros_like(m))
-            send = torch.cat([end_pre, m], -1)
-    width = V + K if plan.any_transition else V
-    if plan.exchange:
-        rows = send.index_select(0, plan.send_rows) if plan.pre is not None else \
-            torch.zeros(0, HV, K, width, device=dev)
-        if rows.shape[-1] != width:
-            rows = torch.cat([rows, torch.zeros(rows.shape[:3] + (width - rows.shape[-1],), device=dev)], -1)
-        pad = plan.slots_per_rank - rows.shape[0]
-        if pad:
-            rows = torch.cat([rows, torch.zeros(pad, HV, K, width, device=dev)], 0)
-        if needs_grad and not rows.requires_grad:
-            # every rank must take part in the gather's backward (a collective), also one that
-            # sends nothing that depends on its inputs
-            rows = rows.detach().requires_grad_(True)
-        (gathered,) = gather_shards((rows,), (0,), cp_context.group, "contiguous")
-        slots = gathered.index_select(0, plan.join_index)
-        local = slots[..., :V]
-        transition = slots[..., V:] if plan.any_transition else torch.zeros(slots.shape[:3] + (K,), device=dev)
-        starts, finals = join_pieces(transition, local, plan.layout)
-        entering = torch.cat([starts, finals], 0)
-    if plan.post is not None:
-        call = plan.post
-        init = user_initial(call)
-        if call.has_joined:
-            joined = entering.index_select(0, call.start_index)
-            base = torch.zeros_like(joined) if init is None else init
-            init = torch.where(call.joined_rows[:, None, None, None], joined, base)
-        outputs[1], ends[1] = run(call, _take(v, call), init, output_final_state)
-
-    parts = [outputs[c].narrow(1, off, n) for c, off, n in plan.output_parts]
-    o = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-    if o.shape[-1] != V or not o.is_contiguous():
-        o = o.contiguous()
+    check_op_inputs(q, k, v, g, beta, None, plan.cu_seqlens, gk, 64)
+    HV, K = v.shape[2], q.shape[3]
+    q, k, v, g32, gk32, scale, initial_state, pad_v = op_arguments(q, k, v, g, gk, scale, initial_state,
+                                                                   use_qk_l2norm_in_kernel)
+    V = v.shape[3]
+    n = len(plan.pieces)
+    if initial_state is not None:
+        # a piece that continues a sequence starts from what the exchange brings (added to zero)
+        rows = initial_state.index_select(0, plan.seq_ids)
+        piece_initial = torch.where(plan.starts_sequence[:, None, None, None], rows, torch.zeros_like(rows))
+    elif plan.forward is not None:
+        piece_initial = torch.zeros(n, HV, K, V, device=q.device, dtype=torch.float32)
+    else:
+        piece_initial = None
+    beta = as_rows(beta)
+    if plan.forward is None:  # no sequence crosses a rank boundary: the op as it is
+        with device_guard(q.device):
+            o, finals = ChunkGatedDeltaRuleFunction.apply(q, k, v, g32, gk32, beta, scale, piece_initial,
+                                                          True, plan.cu_seqlens)
+    else:
+        exchange = _StateExchange(plan, cp_context.group, cp_context.world_size)
+        o, finals = _ContextParallelDeltaRule.apply(q, k, v, g32, gk32, beta, scale, piece_initial,
+                                                    plan.cu_seqlens, exchange)
+    if pad_v:
+        o = o[..., :V - pad_v]
+        finals = finals[..., :V - pad_v]
+        V -= pad_v
     final = None
     if output_final_state:
-        final = torch.zeros(cp_context.num_seqs, HV, K, V, device=dev)
-        for call, end in ((plan.pre, ends[0]), (plan.post, ends[1])):
-            if call is not None and call.final_rows.numel():
-                final = final.index_copy(0, call.final_seqs, end.index_select(0, call.final_rows))
+        final = torch.zeros(cp_context.num_seqs, HV, K, V, device=q.device, dtype=torch.float32)
+        if plan.final_rows.numel():
+            final = final.index_copy(0, plan.final_seqs, finals.index_select(0, plan.final_rows))
         if plan.empty_seqs is not None and initial_state is not None:
-            final = final.index_copy(0, plan.empty_seqs, initial_state.index_select(0, plan.empty_seqs))
-    if gathered is not None and needs_grad:
-        o = _Tie.apply(o, gathered)
-        if final is not None:
-            final = _Tie.apply(final, gathered)
+            given = initial_state[..., :V] if pad_v else initial_state
+            final = final.index_copy(0, plan.empty_seqs, given.index_select(0, plan.empty_seqs))
     return o, final

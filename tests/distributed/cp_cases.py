@@ -61,10 +61,12 @@ CPU_CASES = [
     _gdr("gdr-g-states", "contiguous", worlds=(2,), T=48, H=1, HV=1, K=16, V=16, gate="g", states=True),
     _gdr("gdr-gk-states-l2norm", "contiguous", worlds=(3,), T=48, H=1, HV=1, K=16, V=16, gate="gk",
          states=True, l2norm=True),
-    # one sequence through every rank, grouped value heads, M from a call of its own (as where
-    # V + K is over the op's head-dim limit)
-    _gdr("gdr-zigzag-gva-separate-transition", "zigzag", worlds=(2,), T=48, H=1, HV=2, K=16, V=16, gate="g",
-         states=False, max_state_columns=0, cu=[0, 48]),
+    # one sequence through every rank, grouped value heads
+    _gdr("gdr-zigzag-gva", "zigzag", worlds=(2,), T=48, H=1, HV=2, K=16, V=16, gate="g",
+         states=False, cu=[0, 48]),
+    # pieces of several segments (one chunk each, the last shorter), K != V
+    _gdr("gdr-segments-of-one-chunk", "contiguous", worlds=(2,), T=288, H=1, HV=1, K=16, V=32, gate="g",
+         states=True, segment_chunks=1, cu=[0, 100, 288]),
     _attn("attn-zigzag-causal-keywise-gqa", "zigzag", B=2, S=48, H=2, Hk=1, D=16, causal=True, mask="key",
           bias="key", form="all_gather"),
     _attn("attn-zigzag-causal-dense", "zigzag", worlds=(2,), B=1, S=48, H=2, Hk=2, D=16, causal=True,
@@ -200,13 +202,10 @@ def run_cp(case: Case, x: dict, device, group=None) -> dict:
                                    return_lse=True, group=group, layout=case.layout, form=p["form"])
         return dict(o=o, lse=lse)
     ctx = build_cp_context(torch.tensor(packed(case), dtype=torch.int32, device=device), group, case.layout)
-    if case.op == "gdr" and "max_state_columns" in p:
-        import flash_dma.distributed.gated_delta_rule as gdr_cp
-        limit, gdr_cp._MAX_STATE_COLUMNS = gdr_cp._MAX_STATE_COLUMNS, p["max_state_columns"]
-        try:
-            return run_cp(case_without(case, "max_state_columns"), x, device, group)
-        finally:
-            gdr_cp._MAX_STATE_COLUMNS = limit
+    if case.op == "gdr" and "segment_chunks" in p:
+        from flash_dma.runtime.config import overrides
+        with overrides(gdn_chunks_per_segment=p["segment_chunks"]):
+            return run_cp(case_without(case, "segment_chunks"), x, device, group)
     if case.op == "gdr":
         o, final = cp_chunk_gated_delta_rule(x["q"], x["k"], x["v"], x.get("g"), x["beta"],
                                              initial_state=x.get("initial_state"),

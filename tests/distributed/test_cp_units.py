@@ -12,8 +12,8 @@ from helpers import rel_err
 from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, cp_flash_dma_func,
                                    cp_flash_dma_varlen_func)
 from flash_dma.distributed.context import plan_pieces, shard, shard_ranges
-from flash_dma.distributed.gated_delta_rule import join_layout, join_pieces
 from flash_dma.distributed.ring_attention import ring_schedules
+from flash_dma.ops.gated_delta_rule.segments import join_segments_reference
 from flash_dma.ops.gated_delta_rule.segments import join_segments_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,27 +119,47 @@ def test_pieces_tile_every_rank_and_every_sequence(world, layout):
     assert bool(middle) == (world == 3 or layout == "zigzag")
 
 
-@pytest.mark.parametrize("K, V", [(16, 16), (16, 24)])
-def test_join_and_its_gradient_match_the_fp64_loop(K, V):
-    """Forward: join_segments; backward: the reverse join on M^T. Both against autograd through
-    segments.join_segments_reference in fp64."""
-    counts = [3, 1, 2]
-    first = [sum(counts[:i]) for i in range(len(counts))]
-    slots, HV = sum(counts), 2
-    layout = join_layout(first, counts, torch.device(DEVICE))
-    M = (torch.randn(slots, HV, K, K, device=DEVICE) * 0.3).requires_grad_()
-    N = torch.randn(slots, HV, K, V, device=DEVICE).requires_grad_()
-    starts, final = join_pieces(M, N, layout)
-    w_starts, w_final = torch.randn_like(starts), torch.randn_like(final)
-    ((starts * w_starts).sum() + (final * w_final).sum()).backward()
-
-    M64 = M.detach().cpu().double().requires_grad_()
-    N64 = N.detach().cpu().double().requires_grad_()
-    ref_starts, ref_final = join_segments_reference(M64, N64, layout, None)
-    ((ref_starts * w_starts.cpu().double()).sum() + (ref_final * w_final.cpu().double()).sum()).backward()
-    for name, got, want in (("starts", starts, ref_starts), ("final", final, ref_final),
-                            ("dM", M.grad, M64.grad), ("dN", N.grad, N64.grad)):
-        assert rel_err(got.detach().cpu(), want.detach()) < 1e-5, name
+@pytest.mark.parametrize("world, layout", [(3, "contiguous"), (2, "zigzag"), (4, "zigzag")])
+def test_exchange_plans_bring_each_piece_the_sequential_composition(world, layout):
+    """The delta rule's exchange, simulated on the host in fp64 with random per-piece maps
+    (S_end = M S_start + N): every rank sends its rows, the gathered rows are joined (forward
+    left to right, backward right to left), and each piece must receive exactly what the pieces
+    before it (forward) or after it (backward) compose to."""
+    from flash_dma.distributed.context import CPContext
+    from flash_dma.distributed.gated_delta_rule import _plan
+    cu = [0, 20, 100, 101, 120] if world == 3 else [0, 5, 90, 96] if world == 2 else [0, 70, 71, 160]
+    pieces = plan_pieces(cu, world, layout)
+    K, V = 3, 2
+    maps = {p: (torch.randn(K, K, dtype=torch.float64) * 0.5, torch.randn(K, V, dtype=torch.float64))
+            for rank_pieces in pieces for p in rank_pieces}
+    plans = [_plan(CPContext(None, world, r, layout, tuple(cu), pieces, torch.device("cpu"))) for r in range(world)]
+    by_seq = {}
+    for rank_pieces in pieces:
+        for p in rank_pieces:
+            by_seq.setdefault(p.seq, []).append(p)
+    for direction, reverse in (("forward", False), ("backward", True)):
+        def rows_of(r):
+            plan = plans[r]
+            d = getattr(plan, direction)
+            rows = [torch.cat([maps[plan.pieces[i]][1], maps[plan.pieces[i]][0]], -1) for i in d.send_rows.tolist()]
+            rows += [torch.zeros(K, V + K, dtype=torch.float64)] * (d.slots_per_rank - len(rows))
+            return torch.stack(rows)[:, None] if rows else torch.zeros(0, 1, K, V + K, dtype=torch.float64)
+        gathered = torch.cat([rows_of(r) for r in range(world)], 0)
+        for r in range(world):
+            d = getattr(plans[r], direction)
+            slots = gathered.index_select(0, d.join_index)
+            starts, finals = join_segments_reference(slots[..., V:], slots[..., :V], d.layout, None, reverse=reverse)
+            got = torch.cat([starts, finals]).index_select(0, d.receive_index)
+            for i, p in enumerate(plans[r].pieces):
+                seq = sorted(by_seq[p.seq], key=lambda x: x.global_start)
+                pos = seq.index(p)
+                state = torch.zeros(K, V, dtype=torch.float64)
+                others = seq[:pos] if not reverse else seq[pos + 1:][::-1]
+                for o in others:
+                    state = maps[o][0] @ state + maps[o][1]
+                assert bool(d.receives[i]) == bool(others), (direction, r, p)
+                if others:
+                    assert torch.allclose(got[i, 0], state, atol=1e-12), (direction, r, p)
 
 
 @pytest.fixture

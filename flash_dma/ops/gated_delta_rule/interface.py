@@ -29,6 +29,28 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
+def op_arguments(q, k, v, g, gk, scale, initial_state, use_qk_l2norm_in_kernel: bool):
+    """The public arguments as the op's Function takes them (checked before):
+    -> (q, k, v, g32, gk32, scale, initial_state, pad_v). pad_v value columns of zeros were
+    appended (slice them off o and the final state)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    # Gates in fp32 (the casts are autograd ops, so their gradients come back in the given dtype).
+    g32 = None if g is None else as_rows(g.float())
+    gk32 = None if gk is None else as_rows(gk.float())
+    # Zero value columns stay zero in every state and output: pad V, slice the results, and
+    # autograd does the rest.
+    V = v.shape[-1]
+    pad_v = _MIN_GPU_V - V if (q.is_cuda and V < _MIN_GPU_V) else 0
+    if pad_v:
+        v = torch.nn.functional.pad(v, (0, pad_v))
+        if initial_state is not None:
+            initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
+    return as_rows(q), as_rows(k), as_rows(v), g32, gk32, float(scale), initial_state, pad_v
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -44,26 +66,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     compiling = use_custom_ops()
     if compiling:  # the checks run inside the op (those of cu_seqlens read it back to the host)
         check_chunk_size(chunk_size)
-        K, V = q.shape[-1], v.shape[-1]
     else:
         B, T, H, HV, K, V, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk,
                                                         chunk_size)
-    if scale is None:
-        scale = K ** -0.5
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    # Gates in fp32 (the casts are autograd ops, so their gradients come back in the given dtype).
-    g32 = None if g is None else as_rows(g.float())
-    gk32 = None if gk is None else as_rows(gk.float())
-    # Zero value columns stay zero in every state and output: pad V, slice the results, and
-    # autograd does the rest.
-    pad_v = _MIN_GPU_V - V if (q.is_cuda and V < _MIN_GPU_V) else 0
-    if pad_v:
-        v = torch.nn.functional.pad(v, (0, pad_v))
-        if initial_state is not None:
-            initial_state = torch.nn.functional.pad(initial_state, (0, pad_v))
-    args = (as_rows(q), as_rows(k), as_rows(v), g32, gk32, as_rows(beta), float(scale), initial_state,
-            bool(output_final_state), cu_seqlens)
+    q, k, v, g32, gk32, scale, initial_state, pad_v = op_arguments(q, k, v, g, gk, scale, initial_state,
+                                                                   use_qk_l2norm_in_kernel)
+    args = (q, k, v, g32, gk32, as_rows(beta), scale, initial_state, bool(output_final_state), cu_seqlens)
     backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state))
     if compiling:  # traced by torch.compile: one custom op node (custom_op.py)
@@ -74,6 +82,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
             compile_ahead_of_first_call(args, backward=backward)
             o, final = ChunkGatedDeltaRuleFunction.apply(*args)
     if pad_v:
+        V = v.shape[-1] - pad_v
         o = o[..., :V]
         final = None if final is None else final[..., :V]
     return o, (final if output_final_state else None)

@@ -17,7 +17,8 @@ choice the first time each shape class meets it (runtime/profile.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from ...runtime.profile import log_choice
 from . import launch_table
 from .launch_table import GdnConfig
 from .layout import CHUNK, ChunkLayout, chunk_layout
-from .segments import segment_bound
+from .segments import SegmentLayout, join_segments, segment_bound
 
 OP = "gated_delta_rule"
 # The kernels of one backend live in ops/gated_delta_rule/<backend>/; "triton" is the one there is.
@@ -60,6 +61,12 @@ class DeltaRulePlan:
     launches: dict  # pass -> Chosen(GdnConfig); read-only by convention (the plan is shared)
     chunks_per_segment: Chosen = Chosen(None, "table")  # int or None (sequences not cut)
     dhu_chunks_per_segment: Chosen = Chosen(None, "table")  # the same for bwd_dhu
+    # Where the segments' join gets the states entering each sequence (forward) and the state
+    # gradients leaving it (backward, reverse): None joins within the call (segments.join_segments);
+    # context parallelism (distributed/gated_delta_rule.py) joins across ranks. Same signature as
+    # join_segments without `reverse`.
+    forward_join: Callable | None = None
+    backward_join: Callable | None = None
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -74,6 +81,15 @@ class DeltaRulePlan:
         name = "unsplit" if chosen.value is None else f"chunks_per_segment={chosen.value}"
         log_choice(OP, f"{pass_name}.segments", self.backend, self.info, self.shape, name, chosen.source)
         return chosen.value
+
+    def join(self, transition: torch.Tensor, local: torch.Tensor, seg: SegmentLayout,
+             initial: torch.Tensor | None, reverse: bool = False):
+        """The segments' join of a state pass (segments.py): (starts, final) of the forward's
+        states, or with reverse (ends, dh0) of bwd_dhu's state gradients."""
+        hook = self.backward_join if reverse else self.forward_join
+        if hook is None:
+            return join_segments(transition, local, seg, initial, reverse=reverse)
+        return hook(transition, local, seg, initial)
 
     @property
     def prepare_pass(self) -> str:
@@ -122,6 +138,27 @@ def plan_call(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layou
     return plan
 
 
+def plan_context_parallel(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layout: ChunkLayout,
+                          forward_join: Callable, backward_join: Callable) -> DeltaRulePlan:
+    """The plan of one rank's call under context parallelism: every state pass cut into segments
+    (the join is where the ranks meet), the joins given. Segments of launch_table.SEGMENT_CHUNKS
+    chunks unless gdn_chunks_per_segment says otherwise (0: one segment per sequence)."""
+    overrides = active_overrides()
+    key = ("context parallel", q.device, q.dtype, layout.batch, layout.seq_len, q.shape[2], v.shape[2],
+           q.shape[3], v.shape[3], layout.num_seqs, layout.is_varlen, has_g, has_gk, tuning_cache.generation())
+    plan = None if overrides else _PLANS.get(key)
+    if plan is None:
+        chosen = _chunks_per_segment()
+        if chosen.value is None and chosen.source == "override":  # 0, "not cut": one segment each
+            chosen = Chosen(max(1, -(-layout.seq_len // CHUNK)), "override")
+        elif chosen.value is None:
+            chosen = Chosen(launch_table.SEGMENT_CHUNKS, "rule")
+        plan = _build(*key[1:13], segments=(chosen, chosen))
+        if not overrides:
+            _PLANS[key] = plan
+    return replace(plan, forward_join=forward_join, backward_join=backward_join)
+
+
 def _gates(has_g: bool, has_gk: bool) -> str:
     return "+".join(name for name, on in (("g", has_g), ("gk", has_gk)) if on) or "none"
 
@@ -157,8 +194,9 @@ def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chun
     return segment_bound(B, T, num_seqs if varlen else None, chunks_per_segment) * HV
 
 
-def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk) -> DeltaRulePlan:
-    segments, dhu_segments = _segments(B, T, HV, num_seqs, varlen, device)
+def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
+           segments: tuple[Chosen, Chosen] | None = None) -> DeltaRulePlan:
+    segments, dhu_segments = segments or _segments(B, T, HV, num_seqs, varlen, device)
     pairs = num_seqs * HV
     chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
     dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)

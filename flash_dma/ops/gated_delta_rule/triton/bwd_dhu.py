@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import join_segments, segments_of
+from ..segments import segments_of
 from .common import (
     CHUNK, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args, sequence_program,
     state_ptrs, store_tile
@@ -139,7 +139,7 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
     run(*slots, None, local, STORE_STATES=False)
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
-    ends, dh0 = join_segments(transition, local, seg, dht, reverse=True)
+    ends, dh0 = plan.join(transition, local, seg, dht, reverse=True)
     del local, transition
     run(*slots, ends, None)
     return dh, dh0 if want_dh0 else None, dv2

@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import join_segments, segments_of
+from ..segments import segments_of
 from .common import (
     CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
     sequence_program, state_ptrs, store_tile
@@ -121,7 +121,7 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
     run(*slots, None, local, STORE_STATES=False)
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True)
-    starts, final = join_segments(transition, local, seg, initial_state)
+    starts, final = plan.join(transition, local, seg, initial_state)
     del local, transition
     run(*slots, starts, None)
     return h, v_new, final if store_final else None
