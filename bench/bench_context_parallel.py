@@ -32,6 +32,7 @@ from flash_dma.distributed import (build_cp_context, cp_chunk_gated_delta_rule, 
                                    gather_sequence, shard_sequence)
 from flash_dma.distributed.ring_attention import (make_ring_plan, ring_flash_dma_func,  # noqa: E402
                                                   ring_transfers_only)
+from flash_dma.runtime.config import overrides  # noqa: E402
 
 
 def timed(fn, warmup: int = 2, iters: int = 5) -> float:
@@ -59,11 +60,32 @@ def fwd_bwd(op, *inputs):
     return run
 
 
+def fwd_only(op, *inputs):
+    def run():
+        with torch.no_grad():
+            op(*inputs)
+    return run
+
+
+def timed_alone(fn, iters: int = 5) -> float:
+    """Seconds per call of fn on this rank alone (no collective inside)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def leaf(t):
     return t.detach().requires_grad_(True)
 
 
-def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int):
+def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int, segment_sweep=()):
     """One sequence of world * tokens: the exchanged states pass through every rank."""
     total = tokens * world
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -78,27 +100,28 @@ def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int):
 
     ctx = build_cp_context(torch.tensor([0, total], dtype=torch.int32, device="cuda"))
     local = [leaf(ctx.shard(t)) for t in inputs(total)]
-    t_split = timed(fwd_bwd(lambda *x: cp_chunk_gated_delta_rule(*x, cp_context=ctx), *local))
+    split = (lambda *x: cp_chunk_gated_delta_rule(*x, cp_context=ctx))
+    t_split = timed(fwd_bwd(split, *local))
+    t_split_fwd = timed(fwd_only(split, *local))
+    per_segment = {}
+    for chunks in segment_sweep:  # the same call with other segment lengths (the op's choice)
+        with overrides(gdn_chunks_per_segment=chunks):
+            per_segment[chunks] = timed(fwd_bwd(split, *local))
     state = leaf(torch.randn(1, heads, dim, 2 * dim, device="cuda"))  # [N | M] per rank
     t_gather = timed(fwd_bwd(lambda s: gather_sequence(s, 0, layout="contiguous"), state))
-    t_one = None
+    t_one = t_one_fwd = None
     if rank == 0:
+        # the one-GPU call as a user makes it: one sequence of the rank's length, fixed length
+        # (launch_table's sequence-split rule applies)
         one = inputs(tokens)
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-        fn = fwd_bwd(lambda *x: chunk_gated_delta_rule(*x, cu_seqlens=cu), *one)
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t_one = start.elapsed_time(end) / 1e3 / 5
+        t_one = timed_alone(fwd_bwd(chunk_gated_delta_rule, *one))
+        t_one_fwd = timed_alone(fwd_only(chunk_gated_delta_rule, *one))
     dist.barrier()
     return dict(op="gdr", tokens_per_rank=tokens, heads=heads, dim=dim, t_split=t_split, t_one_rank_tokens=t_one,
-                efficiency=None if t_one is None else t_one / t_split, t_comm_alone=t_gather)
+                efficiency=None if t_one is None else t_one / t_split, t_comm_alone=t_gather,
+                t_split_forward=t_split_fwd, t_one_forward=t_one_fwd,
+                forward_efficiency=None if t_one_fwd is None else t_one_fwd / t_split_fwd,
+                t_split_by_segment_chunks=per_segment)
 
 
 def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: int, dim: int, key_bias: bool):
@@ -134,16 +157,7 @@ def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: in
         whole = [leaf(t) for t in (q, k, v)]
         fn = fwd_bwd(lambda q_, k_, v_, b_: flash_dma_func(q_, k_, v_, attn_bias=b_, is_causal=True),
                      *whole, leaf(bias) if key_bias else None)
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t_one = start.elapsed_time(end) / 1e3 / 3
+        t_one = timed_alone(fn, iters=3)
     dist.barrier()
     # exposed transfer time: what the ring takes beyond its compute; hidden: the rest of the
     # transfers' own time
@@ -163,6 +177,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens-per-rank", type=int, default=32768)
     p.add_argument("--op", choices=["gdr", "attn", "both"], default="both")
+    p.add_argument("--segment-chunks", default="", help="gdr: also time these chunks per segment, e.g. 32,128")
     args = p.parse_args()
     # the device first and named to the group: NCCL otherwise guesses it from the rank, and a rank
     # crashed at exit (SIGSEGV in teardown) without it
@@ -172,7 +187,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     if args.op in ("gdr", "both"):
-        results.append(bench_gdr(args.tokens_per_rank, world, rank, heads=16, dim=128))
+        sweep = [int(x) for x in args.segment_chunks.split(",") if x]
+        results.append(bench_gdr(args.tokens_per_rank, world, rank, heads=16, dim=128, segment_sweep=sweep))
     if args.op in ("attn", "both"):
         for key_bias in (False, True):
             results += bench_attention(args.tokens_per_rank, world, rank, heads=32, kv_heads=8, dim=128,
@@ -188,6 +204,13 @@ def main():
             hidden = "n/a" if r.get("comm_hidden") is None else f"{100 * r['comm_hidden']:.0f}%"
             print(f"{r['op']:<18} {r.get('form', '-'):<10} {world:<2} {r['tokens_per_rank']:<12} "
                   f"{r['t_split'] * 1e3:<9.2f} {eff:<11} {comm:<14} {compute:<17} {hidden}", flush=True)
+            if r.get("forward_efficiency") is not None:
+                print(f"{'  forward alone':<18} {'-':<10} {world:<2} {r['tokens_per_rank']:<12} "
+                      f"{r['t_split_forward'] * 1e3:<9.2f} {100 * r['forward_efficiency']:.0f}%", flush=True)
+            for chunks, t in r.get("t_split_by_segment_chunks", {}).items():
+                eff = "n/a" if r["t_one_rank_tokens"] is None else f"{100 * r['t_one_rank_tokens'] / t:.0f}%"
+                print(f"{'  segments of ' + str(chunks):<18} {'-':<10} {world:<2} {r['tokens_per_rank']:<12} "
+                      f"{t * 1e3:<9.2f} {eff}", flush=True)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cp-{gpu}-N{world}.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as f:
