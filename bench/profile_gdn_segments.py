@@ -5,7 +5,10 @@ told apart) and as a per-kernel table (calls, total us), then do_bench medians o
 and of forward + backward, with the split's error against unsplit.
 
     python bench/profile_gdn_segments.py [--shape B,T,H] [--splits 16,32,64] [--budget 300] [--kda]
-        [--order] [--configs 16x4x3,32x4x3,64x4x3,64x8x2,128x8x2]
+        [--order] [--configs 16x4x3,32x4x3,64x4x3,64x8x2,128x8x2] [--varlen]
+
+--varlen passes the same B sequences packed (cu_seqlens, batch 1), as context parallelism and
+packed training do.
 
 --configs also runs every split under each forced launch configuration of the sequential passes
 (fwd_h, fwd_h_from_t, bwd_dhu), written BVxWARPSxSTAGES: the table picks those configurations
@@ -55,6 +58,7 @@ def main() -> int:
     parser.add_argument("--kda", action="store_true", help="per-key gate too (g + gk)")
     parser.add_argument("--order", action="store_true", help="also print every kernel in launch order")
     parser.add_argument("--configs", default="", help="BVxWARPSxSTAGES of the sequential passes, comma-separated")
+    parser.add_argument("--varlen", action="store_true", help="the sequences packed (cu_seqlens)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_gdn_segments.py: no CUDA GPU here")
@@ -63,8 +67,8 @@ def main() -> int:
     B, T, H = (int(s) for s in args.shape.split(","))
     start = time.time()
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"B{B} T{T} H{H} K=V=128 bf16 g{'+gk' if args.kda else ''}, h0 + final state", flush=True)
-    x = make_inputs(B, T, H, None, args.kda)
+          f"B{B} T{T} H{H}{' packed' if args.varlen else ''} K=V=128 bf16 g{'+gk' if args.kda else ''}, h0 + final state", flush=True)
+    x = make_inputs(1, B * T, H, [T] * B, args.kda) if args.varlen else make_inputs(B, T, H, None, args.kda)
     reference = None
     summary = []
     cases = [(split, None) for split in [None] + [int(s) for s in args.splits.split(",")]]

@@ -167,7 +167,7 @@ def main():
     worst = max(errors, key=lambda n: errors[n] if errors[n] == errors[n] else float("inf"))
     ok = all(e <= tol for e in errors.values())  # NaN fails
     form = "all_gather (varlen)" if args.packed else args.form
-    print(f"rank {rank}/{world} ({backend}, {dtype}, {seq_len} tokens, {args.layout}, {form}): "
+    print(f"rank {rank}/{world} ({dist.get_backend()}, {dtype}, {seq_len} tokens, {args.layout}, {form}): "
           f"loss {total_loss.item():.6f} vs {ref_loss.item():.6f}; worst rel. error {worst} "
           f"{errors[worst]:.1e} (bound {tol:.0e}); step {cp_time * 1e3:.1f} ms split, "
           f"{one_time * 1e3:.1f} ms whole (first calls include compilation)", flush=True)

@@ -1,0 +1,24 @@
+"""examples/context_parallel.py runs end to end on the CPU: two gloo processes under torchrun,
+one training step of the layers split two ways, checked against one process (the script exits 1
+when an error passes its bound)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "context_parallel.py"
+
+
+@pytest.mark.parametrize("extra", [[], ["--packed"]], ids=["ring", "packed"])
+def test_two_ranks_match_one_process(extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "0", str(SCRIPT), "--cpu", *extra],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all("worst rel. error" in line for line in lines), run.stdout[-2000:]
