@@ -16,9 +16,9 @@ SCRIPT = REPO / "examples" / "context_parallel.py"
 def test_two_ranks_match_one_process(extra):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "0", str(SCRIPT), "--cpu", *extra],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(SCRIPT), "--cpu", *extra],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and all("worst rel. error" in line for line in lines), run.stdout[-2000:]

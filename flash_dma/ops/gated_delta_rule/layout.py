@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...runtime.config import ceil_div
+from ...runtime.rows import zero_rows_past
 from ...runtime.tensor_cache import TensorKeyedCache
 
 CHUNK = 64  # tokens per chunk
@@ -24,7 +25,6 @@ class ChunkLayout:
     cu_seqlens: torch.Tensor | None
     chunk_offsets: torch.Tensor | None  # [N] first global chunk of each sequence
     chunk_map: torch.Tensor | None  # [num_slots, 2] (sequence or -1, chunk within it)
-    outside_rows: torch.Tensor | None = None  # [T] bool: varlen rows past the last offset
 
     @property
     def is_varlen(self) -> bool:
@@ -33,12 +33,9 @@ class ChunkLayout:
     def zero_rows_outside(self, *tensors: torch.Tensor | None) -> None:
         """Varlen: rows past the last offset belong to no sequence and no kernel writes them;
         they are zeroed in place (left as allocated, they would carry garbage into the caller's
-        gradients). Device ops only: no host sync."""
-        if self.outside_rows is None:
-            return
-        for t in tensors:
-            if t is not None:
-                t.masked_fill_(self.outside_rows.view((1, -1) + (1,) * (t.dim() - 2)), 0)
+        gradients). No host sync."""
+        if self.cu_seqlens is not None:
+            zero_rows_past(self.cu_seqlens, 1, *tensors)
 
 
 # varlen layouts per cu_seqlens object: every layer and both passes of a step share one
@@ -77,8 +74,7 @@ def varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     seq_c = seq.clamp(max=max(n - 1, 0))
     local = slot - starts[seq_c] if n > 0 else slot
     chunk_map = torch.stack([torch.where(used, seq, -1), torch.where(used, local, 0)], 1).contiguous()
-    outside = torch.arange(seq_len, device=cu.device, dtype=torch.int32) >= cu[-1]
-    return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map, outside)
+    return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

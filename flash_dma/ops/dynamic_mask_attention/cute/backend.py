@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ....runtime.rows import zero_rows_past
 from . import masked, plain
 
 
@@ -18,9 +19,7 @@ def _varlen_args(pb) -> dict:
 def _zero_rows_outside(cu, *tensors):
     """Varlen rows past the last offset belong to no sequence and no kernel writes them: 0, as
     the Triton backend gives."""
-    for t in tensors:
-        outside = torch.arange(t.shape[0], device=t.device) >= cu[-1]
-        t.masked_fill_(outside.view((-1,) + (1,) * (t.dim() - 1)), 0)
+    zero_rows_past(cu, 0, *tensors)
 
 
 def forward(plan, q, k, v, mask, bias):
