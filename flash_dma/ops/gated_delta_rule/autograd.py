@@ -56,27 +56,29 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
             output_final_state: bool):
-    """-> (o, final state or None, g_cum and T where the backward reuses them, else None)."""
+    """-> (o, final state or None, g_cum and T where the backward reuses them, else None,
+    segments: (starts, transitions) of a sequence split of the state pass, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                         store_wu=not split)
     if split and not plan.states_from_inverse.value:
         w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
-    h, v_new, final = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v, beta, ai, w, u,
-                                            g_cum, gk_cum, initial_state, output_final_state)
+    h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v, beta,
+                                                      ai, w, u, g_cum, gk_cum, initial_state, output_final_state)
     del w, u, k_gated
     o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
     # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
     # states), where the backward can reuse them.
     if not plan.keep_inverse:
         g_cum = ai = None
-    return o, final, g_cum, ai
+    return o, final, g_cum, ai, segments
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
-             g_cum, ai):
-    """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither."""
+             g_cum, ai, segments=None):
+    """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
+    the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H, HV = q.shape[2], v.shape[2]
     if ai is None:
@@ -88,11 +90,13 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
                                            with_u=not plan.backward_states_from_inverse.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
     # u None: the state pass forms v_new from T (w is still bwd_dhu's)
-    h, v_new, _ = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
-                                        g_cum, gk_cum, initial_state, store_final=False)
+    h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
+                                                  g_cum, gk_cum, initial_state, store_final=False, known=segments)
     dv_local = ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
     dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
-                                       dv_local, g_cum, gk_cum, dht, initial_state is not None, scale)
+                                       dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
+                                       forward_transition=None if segments is None else segments[1])
+    del segments
     del k_gated, q_gated, dv_local
     grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
     del h, dh, v_new
@@ -116,19 +120,20 @@ def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: 
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens)
     plan = plan_call(q, v, g is not None, gk is not None, layout)
-    o, final, g_cum, ai = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, output_final_state)
+    o, final, g_cum, ai, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
+                                            output_final_state)
     layout.zero_rows_outside(o)
-    return o, final, g_cum, ai, layout, plan
+    return o, final, g_cum, ai, segments, layout, plan
 
 
 def run_backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
-                 g_cum, ai, do, dht):
+                 g_cum, ai, do, dht, segments=None):
     """-> (dq, dk, dv, dg, dgk, dbeta in beta's dtype, dh0); dg, dgk, dh0 None where absent."""
     do = as_rows(do)
     dht = None if dht is None else dht.float().contiguous()
     with device_guard(q.device):
         dq, dk, dv, dg, dgk, dbeta, dh0 = backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                   do, dht, g_cum, ai)
+                                                   do, dht, g_cum, ai, segments)
         layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
     return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), dh0
 
@@ -158,17 +163,19 @@ def run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens):
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
-        o, final, g_cum, ai, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
-                                                        output_final_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai)
+        o, final, g_cum, ai, segments, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
+                                                                  output_final_state, cu_seqlens)
+        seg_starts, seg_transitions = segments if segments is not None else (None, None)
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, gk, beta, initial_state, g_cum, ai = ctx.saved_tensors
+        q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions = ctx.saved_tensors
+        segments = None if seg_starts is None else (seg_starts, seg_transitions)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
-                                                       initial_state, g_cum, ai, do, dht)
+                                                       initial_state, g_cum, ai, do, dht, segments)
         return first_order_only("chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
                                 (q, k, v, g, gk, beta, initial_state))

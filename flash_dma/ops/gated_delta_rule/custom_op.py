@@ -38,7 +38,9 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
             cu_seqlens)
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward)
-        o, final, g_cum, ai, _, _ = run_forward(*args)
+        # (the segments of a sequence split are not kept across the op boundary: the backward op
+        # computes them again)
+        o, final, g_cum, ai, _, _, _ = run_forward(*args)
     return o, final if output_final_state else absent(q), absent(q) if g_cum is None else g_cum, \
         absent(q) if ai is None else ai
 

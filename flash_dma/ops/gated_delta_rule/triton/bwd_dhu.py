@@ -109,10 +109,13 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float):
+def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float,
+            forward_transition: torch.Tensor | None = None):
     """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv).
     With the plan's chunks_per_segment, segments run side by side as in the forward's state pass,
-    joined right to left (segments.py)."""
+    joined right to left (segments.py). forward_transition: the forward state pass's segment
+    transitions M over the same cut, where known: this pass's are their transposes (the state
+    gradient's recursion is the adjoint of the state's), so they are not computed again."""
     B, T, HQ, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     dev = q.device
@@ -136,9 +139,12 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
-    transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
     run(*slots, None, local, STORE_STATES=False)
-    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
+    if forward_transition is not None and per_segment == plan.segment_chunks():
+        transition = forward_transition.transpose(-1, -2).contiguous()
+    else:
+        transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
+        run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
     ends, dh0 = plan.join(transition, local, seg, dht, reverse=True)
     del local, transition
     run(*slots, ends, None)

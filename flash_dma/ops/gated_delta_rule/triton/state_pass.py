@@ -85,12 +85,16 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool):
+def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool,
+           known: tuple | None = None):
     """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
-    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None).
+    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None,
+    segments or None).
     With the plan's chunks_per_segment, every sequence is cut into segments run side by side:
     each segment's end state from zero and its transition (from the identity), the join, then
-    every segment again from its true start (segments.py)."""
+    every segment again from its true start (segments.py). `segments` = (starts, transition)
+    of that cut, fp32 [slots, HV, K, V] and [slots, HV, K, K]: the backward passes them back as
+    `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -114,14 +118,17 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
         final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
         cu, offsets = seq_args(layout)
         run(layout.num_seqs, cu, offsets, layout.is_varlen, initial_state, final)
-        return h, v_new, final
+        return h, v_new, final, None
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
+    if known is not None:  # the forward's cut, its starts known: the last step only
+        run(*slots, known[0], None)
+        return h, v_new, None, known
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
     run(*slots, None, local, STORE_STATES=False)
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True)
     starts, final = plan.join(transition, local, seg, initial_state)
-    del local, transition
+    del local
     run(*slots, starts, None)
-    return h, v_new, final if store_final else None
+    return h, v_new, final if store_final else None, (starts, transition)
