@@ -157,13 +157,14 @@ SEGMENT_MIN_CHUNKS = 256  # chunks of a sequence below which cutting did not pay
 SEGMENT_MAX_CHAINS_PER_SM = 0.25  # (sequences x heads) per SM above which it did not either
 
 
-def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device: torch.device) -> int | None:
+def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device: torch.device,
+                     num_seqs: int = 1) -> int | None:
     """Chunks per segment of the forward state passes, or None (not cut): only where few
-    chains leave SMs idle along long sequences. Packed sequences are not cut by the rule (their
-    lengths live on the device)."""
-    if device.type != "cuda" or interpreter_active() or varlen:
+    chains leave SMs idle along long sequences. Packed sequences (their lengths live on the
+    device) go by their mean length, seq_len / num_seqs."""
+    if device.type != "cuda" or interpreter_active():
         return None
-    chunks = -(-seq_len // 64)
+    chunks = -(-(seq_len // max(num_seqs, 1) if varlen else seq_len) // 64)
     if chunks < SEGMENT_MIN_CHUNKS or sequences_x_heads > SEGMENT_MAX_CHAINS_PER_SM * device_info(device).sm_count:
         return None
     return SEGMENT_CHUNKS

@@ -179,7 +179,7 @@ def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> t
     chosen = _chunks_per_segment()
     if chosen.source == "override":
         return chosen, chosen
-    rule = launch_table.forward_segments(num_seqs * HV, T, varlen, device)
+    rule = launch_table.forward_segments(num_seqs * HV, T, varlen, device, num_seqs)
     if rule is None:
         return chosen, chosen
     return Chosen(rule, "rule"), Chosen(None, "rule")

@@ -118,6 +118,23 @@ def test_plan_default_is_unsplit():
         assert plan_call(q, q, True, False, chunk_layout(1, 64, None)).chunks_per_segment.value == 4
 
 
+def test_rule_cuts_long_sequences_with_few_chains_fixed_or_packed(monkeypatch):
+    """launch_table.forward_segments on a 132-SM GPU (faked): one long sequence is cut, fixed or
+    packed (packed ones go by their mean length); short ones and many chains are not."""
+    from types import SimpleNamespace
+    from flash_dma.ops.gated_delta_rule import launch_table
+    monkeypatch.setattr(launch_table, "device_info", lambda device: SimpleNamespace(sm_count=132))
+    monkeypatch.setattr(launch_table, "interpreter_active", lambda: False)
+    cuda = torch.device("cuda")
+    rule = launch_table.forward_segments
+    assert rule(16, 32768, False, cuda) == launch_table.SEGMENT_CHUNKS
+    assert rule(16, 32768, True, cuda, num_seqs=1) == launch_table.SEGMENT_CHUNKS
+    assert rule(16, 8192, False, cuda) is None  # too short
+    assert rule(2 * 16, 2 * 8192, True, cuda, num_seqs=2) is None  # mean length too short
+    assert rule(20 * 16, 20 * 32768, True, cuda, num_seqs=20) is None  # chains fill the GPU
+    assert rule(16, 32768, False, torch.device("cpu")) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU, real size
 
