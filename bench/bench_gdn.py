@@ -9,7 +9,11 @@ under bench/results/ as gdn-<GPU>-<date>.txt and .json. FLA comes from .peers/ (
     pip install --no-index --no-deps --target /tmp/site .peers/wheels/*.whl
     PYTHONPATH=/tmp/site python bench/bench_gdn.py
 
-Without FLA the sections show our times only, with a note. FLA's first call of each new shape
+FlashQLA (a second peer of the op rows) and its TileLang stack come from .qla/ the same way
+(--target /tmp/site .qla/a/*.whl .qla/b/*.whl); it needs nvcc and compiles each new shape on
+its first call, untimed (the notes say how long).
+
+Without a peer the sections show the others' times, with a note. FLA's first call of each new shape
 family autotunes for about 100 s (untimed; the notes say how long), so the full run takes
 several minutes; bwd_dhu alone (--only dhu) about three. Where a machine is lent for less time
 than that, run the op report in parts: --cases picks op-plan cases by label (comma-separated),

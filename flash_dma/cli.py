@@ -1,15 +1,17 @@
 """The `flash-dma` command.
 
     flash-dma bench [attention|gdn|dhu|decode|all] [--quick] [--json PATH] [--plot PATH] [--report PATH]
+                    [--cases LABELS]
     flash-dma tune [attention|gdn|all] [--quick]
     flash-dma env [--attention SHAPE] [--gdn SHAPE]
 
 On a CUDA GPU: times each op beside its peers (those installed; a missing one is named in a note)
 and prints a report per op: attention (dynamic mask attention), gdn (the chunked gated delta rule,
-forward and backward), dhu (its state-gradient pass, chunk_gated_delta_rule_bwd_dhu) and decode
-(flash_dma_with_kvcache); all runs the four. Without a GPU it cannot time anything; it says so, runs a tiny
-correctness check of each op in Triton's CPU interpreter, and exits 0 if the check passed, 1 if
-not (with --json, the file records that nothing was timed and how the check ended).
+forward and backward, beside FLA and FlashQLA), dhu (its state-gradient pass,
+chunk_gated_delta_rule_bwd_dhu) and decode (flash_dma_with_kvcache); all runs the four. Without a
+GPU it cannot time anything; it says so, runs a tiny correctness check of each op in Triton's CPU
+interpreter, and exits 0 if the check passed, 1 if not (with --json, the file records that
+nothing was timed and how the check ended).
 
 `tune` sweeps the launch configurations of each op's kernels on this GPU and stores the fastest
 in the tuning cache (flash_dma/benchmarks/tune.py); without a GPU it exits 1. `env` prints the
@@ -211,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PATH", help="write a PNG of throughput against length")
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")
     b.add_argument("--cases", metavar="LABELS", help="gdn: some cases of the op plan, by label, "
-                   "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256')")
+                   "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256'); the peers' first "
+                   "calls (FLA's autotuning, FlashQLA's TileLang compiles) take minutes per new shape")
     t = sub.add_parser("tune", help="sweep launch configurations on this GPU and store the fastest "
                        "in the tuning cache")
     t.add_argument("op", nargs="?", default="all", choices=("attention", "gdn", "all"))

@@ -3,6 +3,7 @@ import itertools
 import json
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -332,6 +333,7 @@ def test_dhu_sections_with_a_peer_format_and_round_trip(monkeypatch, tmp_path):
 
 
 def test_op_section_with_and_without_a_peer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_qla", None)  # FLA's rows alone, whether or not FlashQLA is installed
     monkeypatch.setattr(gdn, "op_plan", lambda quick, cases=None: [gdn.OpCase(1, 20, 2, 8, 8),
                                                        gdn.OpCase(1, 20, 2, 8, 8, states=True),
                                                        gdn.OpCase(1, 20, 2, 8, 8, per_key_gate=True)])
@@ -353,6 +355,87 @@ def test_op_section_with_and_without_a_peer(monkeypatch):
     assert any("FLA) not installed" in n for n in notes)
     assert all(r.peer_ms is None and r.ours_ms == 1.0 for r in sec.rows)
     assert "n/a" in format_report("t", ENV, [sec])
+
+
+def _fake_flash_qla(calls: list[int]):
+    """A flash_qla stand-in: the recurrence, its output 0.1% larger (so the error columns show it
+    is compared), counting its forward and backward calls (so a timer can tell it ran)."""
+    class CountBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            calls[0] += 1
+            return grad
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        assert q.shape[-1] == v.shape[-1] == 128 and g.dim() == 3  # as the real one: K = V = 128, g per head
+        calls[0] += 1
+        o, ht = gdn.recurrence_reference(q, k, CountBackward.apply(v), g, beta, initial_state=initial_state,
+                                         output_final_state=output_final_state)
+        return o * 1.001, ht
+
+    module = types.ModuleType("flash_qla")
+    module.__version__ = "0.1.3-fake"
+    module.chunk_gated_delta_rule = chunk_gated_delta_rule
+    return module
+
+
+def test_op_section_beside_flash_qla(monkeypatch):
+    calls = [0]
+    monkeypatch.setitem(sys.modules, "flash_qla", _fake_flash_qla(calls))
+    monkeypatch.setattr(gdn, "op_plan", lambda quick, cases=None: [
+        gdn.OpCase(1, 20, 2), gdn.OpCase(1, 20, 2, states=True), gdn.OpCase(1, 20, 2, 64, 64),
+        gdn.OpCase(1, 20, 2, per_key_gate=True)])
+    monkeypatch.setattr(gdn, "load_ours", lambda name, notes: _fake_fla().op)
+    monkeypatch.setattr(gdn, "_FLA", _fake_fla())
+
+    def timer(fn):  # FlashQLA "takes" 2 ms, the others 1 ms
+        before = calls[0]
+        fn()
+        return 2.0 if calls[0] > before else 1.0
+    (sec,), notes = gdn.run_op(device="cpu", timer=timer)
+    assert [(r.config, r.peer) for r in sec.rows[:4]] == [
+        ("B1 T20 H2 fwd", "FLA"), ("B1 T20 H2 fwd", "FlashQLA"), ("B1 T20 H2 bwd", "FLA"),
+        ("B1 T20 H2 bwd", "FlashQLA")]
+    assert len(sec.rows) == 4 * 3 * 2
+    fla_rows = [r for r in sec.rows if r.peer == "FLA"]
+    assert all(r.speedup == 1.0 and r.max_abs == 0.0 for r in fla_rows)
+    qla_rows = [r for r in sec.rows if r.peer == "FlashQLA"]
+    timed, no_path = qla_rows[:6], qla_rows[6:]
+    assert all(r.speedup == 2.0 and r.ours_ms == 1.0 and 5e-4 < r.max_rel < 1e-2 and not r.note for r in timed)
+    assert all(r.peer_ms is None and r.speedup is None and r.max_abs is None for r in no_path)
+    assert {r.note for r in no_path if "K64" in r.config} == {"FlashQLA: no path (head dims K128 V128 only)"}
+    assert {r.note for r in no_path if "KDA" in r.config} == {"FlashQLA: no path (no per-key gate, KDA)"}
+    assert any(n.startswith("peer: FlashQLA 0.1.3-fake") for n in notes)
+    assert "op fwd: geometric mean speedup vs FlashQLA over all 2 rows 2.00x" in notes
+    assert "op fwd: geometric mean speedup vs FLA over all 4 rows 1.00x" in notes
+    first = next(n for n in notes if n.startswith("op first calls"))
+    assert sorted(p.split(":")[0] for p in first.split(": ", 1)[1].split("; ") if p.startswith("FlashQLA")) == [
+        "FlashQLA B1 T20 H2", "FlashQLA B1 T20 H2 h0+ht"]  # its no-path cases never ran
+    text = format_report("t", ENV, [sec])
+    assert "geometric mean vs FlashQLA" in text and "FlashQLA: no path" in text
+
+
+def test_flash_qla_missing_or_broken_is_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_qla", None)  # import fails as if absent
+    notes = []
+    assert gdn.load_flash_qla(notes) is None
+    assert len(notes) == 1 and notes[0].startswith("FlashQLA not available") and "\n" not in notes[0]
+    monkeypatch.setitem(sys.modules, "flash_qla", types.ModuleType("flash_qla"))  # no chunk_gated_delta_rule
+    notes = []
+    assert gdn.load_flash_qla(notes) is None
+    assert len(notes) == 1 and notes[0].startswith("FlashQLA import failed: AttributeError")
+    # the op report goes on without FlashQLA rows
+    monkeypatch.setattr(gdn, "op_plan", lambda quick, cases=None: [gdn.OpCase(1, 20, 2, 8, 8)])
+    monkeypatch.setattr(gdn, "load_ours", lambda name, notes: _fake_fla().op)
+    monkeypatch.setattr(gdn, "_FLA", _fake_fla())
+    (sec,), notes = gdn.run_op(device="cpu", timer=fake_timer)
+    assert [r.peer for r in sec.rows] == ["FLA"] * 3
+    assert any("no FlashQLA peer" in n for n in notes)
 
 
 def test_fla_missing_is_a_note(monkeypatch):

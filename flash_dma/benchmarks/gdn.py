@@ -7,9 +7,11 @@ Two benchmarks:
   C: g; D: gk; E: g and gk) and on packed variable-length batches. It is bandwidth-bound, so
   every row carries the bytes it moves (read + written) and its share of the device's
   copy ceiling.
-* ``gdn``: the whole op ``chunk_gated_delta_rule``, forward, backward and forward+backward.
+* ``gdn``: the whole op ``chunk_gated_delta_rule``, forward, backward and forward+backward;
+  where FlashQLA (``flash_qla``, TileLang kernels) imports, each case also has rows beside its
+  ``chunk_gated_delta_rule``.
 
-FLA is optional: without it the sections show our times only, with a note. Everything that
+The peers are optional: without one the sections show the others' times, with a note. Everything that
 decides what is measured (configurations, bytes, inputs, references) is plain functions that
 run on the CPU, so the tests check them without a GPU.
 """
@@ -33,6 +35,7 @@ from .common import Row, Section, compare, geometric_mean, time_ms
 DTYPE = torch.bfloat16
 CHUNK = 64
 PEER = "FLA"
+QLA_PEER = "FlashQLA"
 RCP_LN2 = 1.0 / math.log(2.0)  # FLA's kernels take gate cumsums in log2 units (they call exp2)
 
 MODES = {
@@ -405,6 +408,40 @@ def load_fla(notes: list[str]) -> SimpleNamespace | None:
     return _FLA
 
 
+def load_flash_qla(notes: list[str]) -> SimpleNamespace | None:
+    """FlashQLA's chunk_gated_delta_rule (a second peer of the op), or None with a one-line note.
+
+    Its API takes FLA's layout and natural-log decays g [B, T, HV]; its kernels exist for
+    K = V = 128 only and it has no per-key gate, facts carried here for flash_qla_no_path."""
+    try:
+        import flash_qla
+        op = flash_qla.chunk_gated_delta_rule
+    except ImportError as exc:
+        reason = f"FlashQLA not available ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken peer is a note (it refuses GPUs it has no kernels for)
+        reason = _refusal("FlashQLA import", exc)
+    else:
+        version = getattr(flash_qla, "__version__", "?")
+        notes.append(f"peer: FlashQLA {version} (flash_qla.chunk_gated_delta_rule with its defaults, "
+                     "automatic intra-card CP included); it compiles its TileLang kernels on the first "
+                     "call of each new shape, untimed (the first-calls note says how long)")
+        return SimpleNamespace(op=op, version=version, head_dims=((128, 128),), per_key_gate=False)
+    reason = reason.splitlines()[0][:160] + ": the op rows have no FlashQLA peer"
+    if reason not in notes:
+        notes.append(reason)
+    return None
+
+
+def flash_qla_no_path(case: OpCase, qla: SimpleNamespace) -> str | None:
+    """Why FlashQLA has no kernel for this case, or None when it has one."""
+    if case.per_key_gate and not qla.per_key_gate:
+        return f"{QLA_PEER}: no path (no per-key gate, KDA)"
+    if (case.K, case.V) not in qla.head_dims:
+        dims = ", ".join(f"K{k} V{v}" for k, v in qla.head_dims)
+        return f"{QLA_PEER}: no path (head dims {dims} only)"
+    return None
+
+
 def load_ours(name: str, notes: list[str]):
     """flash_dma.<name>, or None with a note (the op may not have landed yet)."""
     try:
@@ -524,11 +561,12 @@ def run_dhu_shape(shape: DhuShape, modes: Sequence[str], ours, fla, notes: list[
     return rows
 
 
-def overall_geomean_note(what: str, sections: Sequence[Section], target: float | None = None) -> str | None:
-    speedups = [r.speedup for s in sections for r in s.rows if r.speedup]
+def overall_geomean_note(what: str, sections: Sequence[Section], target: float | None = None,
+                         peer: str = PEER) -> str | None:
+    speedups = [r.speedup for s in sections for r in s.rows if r.speedup and r.peer == peer]
     if not speedups:
         return None
-    text = (f"{what}: geometric mean speedup vs {PEER} over all {len(speedups)} rows "
+    text = (f"{what}: geometric mean speedup vs {peer} over all {len(speedups)} rows "
             f"{geometric_mean(speedups):.2f}x")
     if target is not None:
         text += f" (target >= {target:.1f}x)"
@@ -539,7 +577,7 @@ def _first_call_note(kind: str, firsts: dict) -> str | None:
     if not firsts:
         return None
     parts = [f"{who} {label}: {sec:.1f} s" for (who, *_), (label, sec) in sorted(firsts.items(), key=str)]
-    return f"{kind} first calls (compile + autotune), untimed warm-up: " + "; ".join(parts)
+    return f"{kind} first calls (compile, autotune), untimed warm-up: " + "; ".join(parts)
 
 
 def run_dhu(quick: bool = False, progress_factory=None, device="cuda",
@@ -640,15 +678,22 @@ def _with_per_key_gate(op):
 
 
 def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer: Timer | None = None,
-                firsts: dict | None = None) -> list[Row]:
+                firsts: dict | None = None, qla: SimpleNamespace | None = None) -> list[Row]:
+    """Rows of one case: per direction, one row beside FLA ("-" without it) and, where FlashQLA
+    loaded (qla), one beside FlashQLA; each peer's max_abs / max_rel are against our results."""
     timer = timer or (lambda fn: time_ms(fn, warmup=25, rep=100))
     x = make_op_inputs(case, device, seed=case.T + case.H + case.B)
-    res: dict[str, OpResult | None] = {}
-    msgs = []
-    peer_fn = None if fla is None else (getattr(fla, "kda", None) if case.per_key_gate else fla.op)
+    fla_fn = None if fla is None else (getattr(fla, "kda", None) if case.per_key_gate else fla.op)
+    peers = {PEER: (PEER if fla is not None else "-", fla_fn)}
+    msgs: dict[str, list[str]] = {"ours": [], PEER: []}
+    if qla is not None:
+        no_path = flash_qla_no_path(case, qla)
+        peers[QLA_PEER] = (QLA_PEER, None if no_path else qla.op)
+        msgs[QLA_PEER] = [no_path] if no_path else []
     if case.per_key_gate and ours is not None:
         ours = _with_per_key_gate(ours)
-    for who, fn in (("ours", ours), (PEER, peer_fn)):
+    res: dict[str, OpResult | None] = {}
+    for who, fn in (("ours", ours), *((who, fn) for who, (_, fn) in peers.items())):
         res[who] = None
         if fn is None:
             continue
@@ -657,22 +702,25 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
             if firsts is not None:
                 firsts[(who, case.label)] = (case.label, res[who].first_s)
         except Exception as exc:  # noqa: BLE001 - one failing configuration is a result
-            msgs.append(_refusal(who, exc))
-    o, p = res["ours"], res[PEER]
-    fa = fr = ba = br = None
-    if o is not None and p is not None:
-        fa, fr = compare_outputs(o.outputs, p.outputs)
-        ba, br = compare_outputs(o.grads, p.grads)
-    peer = PEER if fla is not None else "-"
+            msgs[who].append(_refusal(who, exc))
+    o = res["ours"]
+    acc = {}  # peer -> direction -> (max_abs, max_rel) against ours
+    for who in peers:
+        fwd = bwd = (None, None)
+        if o is not None and res[who] is not None:
+            fwd, bwd = compare_outputs(o.outputs, res[who].outputs), compare_outputs(o.grads, res[who].grads)
+        acc[who] = {"fwd": fwd, "bwd": bwd, "fwd+bwd": _worst([a for a in (fwd, bwd) if a[0] is not None])}
     rows = []
-    for direction, attr, acc in (("fwd", "fwd_ms", (fa, fr)), ("bwd", "bwd_ms", (ba, br)),
-                                 ("fwd+bwd", "fwdbwd_ms", _worst([a for a in ((fa, fr), (ba, br))
-                                                                   if a[0] is not None]))):
-        extra = [f"{who} {r.note}" for who, r in res.items() if r is not None and r.note and direction == "bwd"]
-        rows.append(Row(f"{case.label} {direction}", peer, getattr(p, attr) if p else None,
-                        getattr(o, attr) if o else None, acc[0], acc[1], note="; ".join(msgs + extra),
-                        seqlen=case.T, direction=direction))
-    del x, res, o, p
+    for direction, attr in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd+bwd", "fwdbwd_ms")):
+        for who, (shown, _) in peers.items():
+            p = res[who]
+            extra = [f"{w} {res[w].note}" for w in ("ours", who)
+                     if res[w] is not None and res[w].note and direction == "bwd"]
+            rows.append(Row(f"{case.label} {direction}", shown, getattr(p, attr) if p else None,
+                            getattr(o, attr) if o else None, *acc[who][direction],
+                            note="; ".join(msgs["ours"] + msgs[who] + extra), seqlen=case.T,
+                            direction=direction))
+    del x, res, o
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -683,7 +731,8 @@ def run_op(quick: bool = False, progress_factory=None, device="cuda",
     notes: list[str] = []
     plan = op_plan(quick, cases)
     ours = load_ours("chunk_gated_delta_rule", notes)
-    fla = load_fla(notes)
+    fla = load_fla(notes)  # first: it sets FLA's dispatch switch before FLA is imported
+    qla = load_flash_qla(notes)
     if fla is not None:
         families = len({c.family for c in plan})
         notes.append(f"FLA autotunes on the first call of each new shape family ({families} here, "
@@ -693,14 +742,15 @@ def run_op(quick: bool = False, progress_factory=None, device="cuda",
                   "grads of q, k, v, g, beta (, h0); KDA rows: per-key gk beside FLA's chunk_kda")
     firsts: dict = {}
     for case in plan:
-        sec.rows += run_op_case(case, ours, fla, notes, device, timer, firsts)
+        sec.rows += run_op_case(case, ours, fla, notes, device, timer, firsts, qla)
         if bar:
             bar.update()
     if bar:
         bar.close()
-    for direction in ("fwd", "bwd", "fwd+bwd"):
+    for peer, direction in itertools.product((PEER, QLA_PEER), ("fwd", "bwd", "fwd+bwd")):
         line = overall_geomean_note(f"op {direction}", [Section("", [r for r in sec.rows
-                                                                     if r.direction == direction])])
+                                                                     if r.direction == direction])],
+                                    peer=peer)
         if line:
             notes.append(line)
     line = _first_call_note("op", firsts)
