@@ -35,12 +35,14 @@ from flash_dma.distributed.ring_attention import (make_ring_plan, ring_flash_dma
 from flash_dma.runtime.config import overrides  # noqa: E402
 
 
-def timed(fn, warmup: int = 2, iters: int = 5) -> float:
-    """Seconds per call of fn (forward + backward), the slowest rank's."""
+def timed(fn, warmup: int = 2, iters: int = 5, across_ranks: bool = True) -> float:
+    """Seconds per call of fn (forward + backward): the slowest rank's, or with across_ranks off
+    this rank's alone (fn then holds no collective)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if across_ranks:
+        dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -48,7 +50,8 @@ def timed(fn, warmup: int = 2, iters: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     t = torch.tensor(start.elapsed_time(end) / 1e3 / iters, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if across_ranks:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
@@ -65,20 +68,6 @@ def fwd_only(op, *inputs):
         with torch.no_grad():
             op(*inputs)
     return run
-
-
-def timed_alone(fn, iters: int = 5) -> float:
-    """Seconds per call of fn on this rank alone (no collective inside)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def leaf(t):
@@ -114,8 +103,8 @@ def bench_gdr(tokens: int, world: int, rank: int, heads: int, dim: int, segment_
         # the one-GPU call as a user makes it: one sequence of the rank's length, fixed length
         # (launch_table's sequence-split rule applies)
         one = inputs(tokens)
-        t_one = timed_alone(fwd_bwd(chunk_gated_delta_rule, *one))
-        t_one_fwd = timed_alone(fwd_only(chunk_gated_delta_rule, *one))
+        t_one = timed(fwd_bwd(chunk_gated_delta_rule, *one), across_ranks=False)
+        t_one_fwd = timed(fwd_only(chunk_gated_delta_rule, *one), across_ranks=False)
     dist.barrier()
     return dict(op="gdr", tokens_per_rank=tokens, heads=heads, dim=dim, t_split=t_split, t_one_rank_tokens=t_one,
                 efficiency=None if t_one is None else t_one / t_split, t_comm_alone=t_gather,
@@ -157,7 +146,7 @@ def bench_attention(tokens: int, world: int, rank: int, heads: int, kv_heads: in
         whole = [leaf(t) for t in (q, k, v)]
         fn = fwd_bwd(lambda q_, k_, v_, b_: flash_dma_func(q_, k_, v_, attn_bias=b_, is_causal=True),
                      *whole, leaf(bias) if key_bias else None)
-        t_one = timed_alone(fn, iters=3)
+        t_one = timed(fn, iters=3, across_ranks=False)
     dist.barrier()
     # exposed transfer time: what the ring takes beyond its compute; hidden: the rest of the
     # transfers' own time
