@@ -24,8 +24,9 @@ earlier rank travels, and each carrying piece gets the state gradient at its end
 Cost against one process: the op as a sequence split would run it (what launch_table's rule
 does anyway for long sequences with few heads), plus per layer two joins of V + K columns over a
 piece's segments and two all-gathers of [HV, K, V + K] fp32 per carried piece. The backward
-recomputes the states from the pieces' entering states kept by the forward, with no exchange.
-No rank waits for another's kernels: every rank sends what its own first state pass gives.
+recomputes the states from the forward's kept segment starts, with no exchange. The ranks meet
+only in one all-gather per direction, each sending what its own first state pass gives (no rank
+runs its op after another's, as a pipeline along the sequence would).
 """
 from __future__ import annotations
 
