@@ -135,6 +135,32 @@ def test_rule_cuts_long_sequences_with_few_chains_fixed_or_packed(monkeypatch):
     assert rule(16, 32768, False, torch.device("cpu")) is None
 
 
+def test_context_parallel_plan_always_cuts_and_carries_its_joins():
+    """plan_context_parallel: both passes cut (segments of SEGMENT_CHUNKS, an override's count,
+    or with 0 one segment per sequence), the given joins in the plan, the cached base untouched."""
+    from flash_dma.ops.gated_delta_rule import launch_table
+    from flash_dma.ops.gated_delta_rule.plan import plan_context_parallel
+    q = torch.zeros(1, 640, 1, 16, device=DEVICE)
+    cu = torch.tensor([0, 100, 640], dtype=torch.int32, device=DEVICE)
+    layout = chunk_layout(1, 640, cu)
+
+    def fwd(*a):
+        return "fwd"
+
+    def bwd(*a):
+        return "bwd"
+    plan = plan_context_parallel(q, q, True, False, layout, fwd, bwd)
+    assert plan.chunks_per_segment.value == plan.dhu_chunks_per_segment.value == launch_table.SEGMENT_CHUNKS
+    assert plan.forward_join is fwd and plan.backward_join is bwd
+    assert plan.join(None, None, None, None) == "fwd" and plan.join(None, None, None, None, reverse=True) == "bwd"
+    again = plan_context_parallel(q, q, True, False, layout, None, None)
+    assert again.forward_join is None and again.backward_join is None
+    with overrides(gdn_chunks_per_segment=2):
+        assert plan_context_parallel(q, q, True, False, layout, fwd, bwd).chunks_per_segment.value == 2
+    with overrides(gdn_chunks_per_segment=0):
+        assert plan_context_parallel(q, q, True, False, layout, fwd, bwd).chunks_per_segment.value == 10
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU, real size
 
