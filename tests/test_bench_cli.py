@@ -456,3 +456,13 @@ def test_cli_knows_the_gdn_ops():
     assert build_parser().parse_args(["bench", "gdn"]).op == "gdn"
     assert build_parser().parse_args(["bench", "dhu", "--quick"]).op == "dhu"
     assert OPS == ("attention", "gdn", "dhu", "decode")
+
+
+def test_slow_decay_case_keeps_states_across_chunks():
+    """The slow-decay op case's gates leave a 64-token chunk most of its state (log decay about
+    -0.06), the default ones almost none (about -12)."""
+    from flash_dma.benchmarks.gdn import OpCase, make_op_inputs, op_plan
+    slow = make_op_inputs(OpCase(1, 4096, 2, 16, 16, slow_decay=True), device="cpu")["g"]
+    strong = make_op_inputs(OpCase(1, 4096, 2, 16, 16), device="cpu")["g"]
+    assert -0.2 < slow.mean().item() * 64 < 0 and strong.mean().item() * 64 < -5
+    assert "B1 T32768 H16 slow-decay" in [c.label for c in op_plan(False)]

@@ -146,12 +146,16 @@ class OpCase:
     V: int = 128
     states: bool = False  # initial_state given and output_final_state=True
     per_key_gate: bool = False  # Kimi Delta Attention: gk [B, T, H, K] instead of g (FLA's chunk_kda)
+    # Decays near 1 (a chunk's log decay about -0.06 instead of about -12): a state then carries
+    # across thousands of tokens, so no method may drop what a partition inherits (FlashQLA's
+    # split of one sequence truncates below e^-10 and costs little with strong decays)
+    slow_decay: bool = False
 
     @property
     def label(self) -> str:
         dims = "" if (self.K, self.V) == (128, 128) else f" K{self.K} V{self.V}"
         return (f"B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
-                f"{' h0+ht' if self.states else ''}")
+                f"{' h0+ht' if self.states else ''}{' slow-decay' if self.slow_decay else ''}")
 
     @property
     def family(self) -> tuple:
@@ -164,7 +168,7 @@ def op_plan(quick: bool, cases: Sequence[str] | None = None) -> list[OpCase]:
     FLA's first-call autotuning takes longer than some machines lend in one go)."""
     full = [OpCase(4, 4096, 16), OpCase(1, 8192, 16), OpCase(1, 32768, 16), OpCase(8, 4096, 32),
             OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True),
-            OpCase(2, 4096, 16, per_key_gate=True)]
+            OpCase(2, 4096, 16, per_key_gate=True), OpCase(1, 32768, 16, slow_decay=True)]
     if cases:
         by_label = {c.label: c for c in full}
         unknown = [c for c in cases if c not in by_label]
@@ -327,7 +331,8 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
     x = {"q": norm(randn(B, T, H, K), dim=-1).to(dtype), "k": norm(randn(B, T, H, K), dim=-1).to(dtype),
          "v": randn(B, T, H, V).to(dtype),
          # natural-log decays: per value head, or per key (KDA) with the same spread
-         "g": torch.nn.functional.logsigmoid(randn(*((B, T, H, K) if case.per_key_gate else (B, T, H))) + 2),
+         "g": torch.nn.functional.logsigmoid(randn(*((B, T, H, K) if case.per_key_gate else (B, T, H)))
+                                             + (7 if case.slow_decay else 2)),
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
     x["h0"] = randn(B, H, K, V) * 0.1 if case.states else None
