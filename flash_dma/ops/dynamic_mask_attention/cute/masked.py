@@ -39,7 +39,7 @@ BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
 
 # The bias hooks: the backward's GQA fault (FA4 b36's SM90 backward hands them GQA-packed
 # indices, unfolded in hooks.py) fixed and checked on the GPU over cute_masked_check's grid
-# (bench/results/cute-bias-grid-H100-20261126.log: every bias shape, GQA, causal, fp32 bias,
+# (bench/results/cute-masked-NVIDIA-H200-20261126.txt, last section: every bias shape, GQA, causal, fp32 bias,
 # stored and atomic dbias). The choice stays so that debugging can turn the path off; the
 # auto rule (select.py) still keeps biases on Triton, whose forward measured faster.
 BIAS_GAP = "the CuTe backend's bias path is turned off (declared choice attention_cute_bias)"
