@@ -20,13 +20,13 @@ from ...runtime.launch import compile_ahead, compile_ahead_enabled
 from .checks import check_bwd_dhu_inputs
 from .layout import CHUNK, ChunkLayout, as_rows, chunk_layout, total_chunks
 from .plan import DeltaRulePlan, plan_bwd_dhu, plan_call
-from .triton import bwd_chunk, bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
+from .triton import bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
 
 # The passes of each backend, by plan.backend. A second backend (ops/gated_delta_rule/cute/)
 # offers the same functions under the same names.
 BACKENDS = {"triton": SimpleNamespace(key_gates=key_gates, gate_pairs=gate_pairs, wy_prepare=wy_prepare,
                                       state_pass=state_pass, output=output, bwd_dhu=bwd_dhu,
-                                      bwd_chunk=bwd_chunk, bwd_dqkw=bwd_dqkw, bwd_wy=bwd_wy)}
+                                      bwd_dqkw=bwd_dqkw, bwd_wy=bwd_wy)}
 
 
 def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, scale, store_wu: bool = True,
@@ -98,12 +98,6 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
                                        forward_transition=None if segments is None else segments[1])
     del segments
     del k_gated, q_gated, dv_local
-    if plan.one_chunk_backward.value:
-        dq, dk, dv, dbeta, dg = ops.bwd_chunk.bwd_chunk(plan, layout, q, k, v, v_new, beta, g_cum, ai, h, dh, do,
-                                                        dv2, scale)
-        if HV != H:
-            dq, dk = _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype)
-        return dq, dk, dv, dg, None, dbeta, dh0
     grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
     del h, dh, v_new
     dv, dbeta, dg, d_a = ops.bwd_wy.bwd_wy(plan, layout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)

@@ -33,7 +33,7 @@ class GdnConfig:
 
 # Every pass, by the name the table, the overrides (gdn_<pass>) and the profiling log use.
 PASSES = ("chunk_cumsum", "gated_pairs", "prepare", "prepare_t", "prepare_gk", "recompute_wu", "fwd_h",
-          "fwd_h_from_t", "intra", "bwd_dhu", "bwd_chunk", "bwd_dqkw", "bwd_wy", "pair_grad", "gate_grad")
+          "fwd_h_from_t", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy", "pair_grad", "gate_grad")
 for _name in PASSES:
     declare_choice(f"gdn_{_name}", None, (),
                    f"launch configuration (GdnConfig) of the gated delta rule's {_name} pass")
@@ -66,8 +66,6 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, 16, num_warps=2, num_stages=1)
     if kernel == "recompute_wu":  # no software pipeline
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
-    if kernel == "bwd_chunk":  # five [64, 64] accumulators: 8 warps
-        return GdnConfig(64, min(vp, 64), num_warps=8, num_stages=2)
     # bwd_wy and bwd_dqkw: a chunk's K-tile programs run side by side (sharing do, v_new, dv2
     # in L2), so 64-wide K tiles with 4 warps beat all of K in one 8-warp tile
     return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=3)
@@ -181,9 +179,3 @@ def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, ba
     if device.type != "cuda" or interpreter_active():
         return True
     return sequences_x_heads * K >= (64 if backward else 32) * 128
-
-
-def one_chunk_backward(has_gk: bool) -> bool:
-    """Whether the backward forms its chunk-parallel gradients in one pass (bwd_chunk.py) rather
-    than dqkw then WY: wherever it can (no gk)."""
-    return not has_gk

@@ -8,8 +8,6 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_states_from_inverse    the forward's state pass forms w, u from T itself (no w, u in
                              memory) rather than reading those of the recompute kernel;
   gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only);
-  gdn_one_chunk_backward     without gk, the backward's chunk-parallel gradients (dq, dk, dv,
-                             dbeta, dg) in one pass (bwd_chunk) instead of dqkw then WY;
   gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
                              run side by side and joined (segments.py); None: not cut.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
@@ -43,8 +41,6 @@ declare_choice("gdn_states_from_inverse", None, (True, False),
                "the forward's state pass forms w and u from T (default: launch_table's rule)")
 declare_choice("gdn_backward_states_from_inverse", None, (True, False),
                "the backward's state pass forms v_new from T (default: launch_table's rule)")
-declare_choice("gdn_one_chunk_backward", None, (True, False),
-               "without gk, the backward's chunk-parallel gradients in one pass (default: the rule)")
 # Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
 # be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
 declare_choice("gdn_chunks_per_segment", None, (),
@@ -71,7 +67,6 @@ class DeltaRulePlan:
     # join_segments without `reverse`.
     forward_join: Callable | None = None
     backward_join: Callable | None = None
-    one_chunk_backward: Chosen = Chosen(False, "table")  # bool: bwd_chunk instead of bwd_dqkw + bwd_wy
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -213,11 +208,8 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                                lambda: launch_table.states_from_inverse(K, chains, device, backward=False))
     backward_from_t = _strategy("gdn_backward_states_from_inverse",
                                 lambda: launch_table.states_from_inverse(K, chains, device, backward=True))
-    one_chunk = _strategy("gdn_one_chunk_backward", lambda: launch_table.one_chunk_backward(has_gk))
-    if one_chunk.value and has_gk:
-        raise ValueError("gdn_one_chunk_backward=True: the one-pass chunk backward has no per-key gate (gk) path")
-    passes = ["prepare", "prepare_t", "recompute_wu", "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu"]
-    passes += ["bwd_chunk"] if one_chunk.value else ["bwd_dqkw", "bwd_wy"]
+    passes = ["prepare", "prepare_t", "recompute_wu", "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu",
+              "bwd_dqkw", "bwd_wy"]
     if has_gk:
         passes += ["chunk_cumsum", "gated_pairs", "prepare_gk", "pair_grad", "gate_grad"]
     launches = {name: launch_table.choose(name, K, V, device,
@@ -227,8 +219,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
-                         forward_from_t, backward_from_t, launches, segments, dhu_segments,
-                         one_chunk_backward=one_chunk)
+                         forward_from_t, backward_from_t, launches, segments, dhu_segments)
 
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
@@ -283,7 +274,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "one_chunk_backward"):
+                 "dhu_chunks_per_segment"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

@@ -47,25 +47,6 @@ def test_unsplit_prepare(shape):
                                 output_final_state=states)
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "dqkw-then-wy"])
-@pytest.mark.parametrize("shape", [s for s in SHAPES if "gk" not in s])
-def test_both_forms_of_the_chunk_backward(shape, one_pass):
-    """Without gk the backward's chunk-parallel gradients come from one pass (bwd_chunk) or from
-    dqkw then WY: both must match the reference (K tiles of 16 in the interpreter, so the
-    one-pass kernel's per-tile partial sums are crossed)."""
-    B, T, H, HV, K, V, gate, states = SHAPES[shape]
-    dtype = DTYPES[-1]
-    with overrides(gdn_one_chunk_backward=one_pass):
-        check_against_reference(make_inputs(B, T, H, HV, K, V, dtype, gate, states), dtype,
-                                output_final_state=states)
-
-
-def test_one_pass_chunk_backward_refuses_gk():
-    inputs = make_inputs(1, 20, 1, 1, 16, 16, DTYPES[-1], "gk", False)
-    with overrides(gdn_one_chunk_backward=True), pytest.raises(ValueError, match="gdn_one_chunk_backward"):
-        run_op(inputs)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_dtype(dtype):
     inputs = make_inputs(1, 67, 1, 1, 16, 16, dtype, "g", True)
@@ -253,22 +234,6 @@ def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse):
         B, T, H, HV, K, V, gate, states = GPU_SHAPES[shape]
         inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states)
         check_against_reference(inputs, dtype, output_final_state=states)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "dqkw-then-wy"])
-@pytest.mark.parametrize("shape", ["h4-128", "K256-V256", "K48-V32", "gva-128", "no-gate-gva-K64-V128", "varlen"])
-def test_gpu_both_forms_of_the_chunk_backward(shape, one_pass):
-    dtype = torch.bfloat16
-    with overrides(gdn_one_chunk_backward=one_pass):
-        if shape == "varlen":
-            lengths = [1, 64, 0, 1000, 2500, 31, 500]
-            inputs = make_inputs(1, sum(lengths), 4, 8, 128, 128, dtype, "g", True, n_seqs=len(lengths))
-            check_against_reference(inputs, dtype, cu_seqlens=cu_from_lengths(lengths))
-            return
-        B, T, H, HV, K, V, gate, states = GPU_SHAPES[shape]
-        check_against_reference(make_inputs(B, T, H, HV, K, V, dtype, gate, states), dtype,
-                                output_final_state=states)
 
 
 @pytest.mark.gpu
