@@ -2,7 +2,7 @@
 compute-sanitizer (memcheck, racecheck):
 
     compute-sanitizer --tool memcheck python bench/cute_sanitize_grid.py [--cute-bias]
-    compute-sanitizer --tool racecheck python bench/cute_sanitize_grid.py [--cute-bias]
+    compute-sanitizer --tool racecheck python bench/cute_sanitize_grid.py [--cute-bias] [--only TEXT]
 
 Plain attention (head dims 64/128/256, causal and not, GQA, ragged lengths, varlen with empty
 and one-token sequences), a tile-sparse mask, fully masked rows, and with --cute-bias a dense
@@ -61,6 +61,7 @@ def varlen_case(D, causal):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cute-bias", action="store_true")
+    parser.add_argument("--only", help="run only the cases whose name contains this text")
     args = parser.parse_args()
     torch.manual_seed(0)
     cases = []
@@ -84,6 +85,8 @@ def main() -> int:
         cases.append(("bias [1,Hk,Sq,Sk] (atomic dbias) D128 causal",
                       lambda: fixed_case(128, True, 4, 2, 197, 133,
                                          bias=torch.randn(1, 2, 197, 133, device="cuda", dtype=torch.bfloat16))))
+    if args.only:
+        cases = [case for case in cases if args.only in case[0]]
     bad = 0
     with overrides(attention_backend="cute", attention_cute_bias=args.cute_bias):
         for name, run in cases:
