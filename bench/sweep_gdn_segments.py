@@ -2,11 +2,13 @@
 the unsplit op beside every forced chunks_per_segment, to derive the rule that picks the split
 (plan.py's gdn_chunks_per_segment, None today).
 
-    python bench/sweep_gdn_segments.py [--splits 2,4,8,16,32] [--shapes LABELS] [--kda]
+    python bench/sweep_gdn_segments.py [--splits 2,4,8,16,32] [--shapes LABELS] [--kda] [--tiles BV:W:S,...]
 
 One process, bf16, K = V = 128, scalar gate g (--kda adds the per-key gate rows). Each split's
 outputs are checked against the unsplit call's first (relative norm error, printed), so a wrong
-split cannot pass as a fast one. Writes bench/results/gdn-segments-<device>-<date>.txt.
+split cannot pass as a fast one. --tiles also runs every forced split with the state passes'
+tiles forced (fwd_h, fwd_h_from_t and bwd_dhu at BV columns, W warps, S stages; all of K), beside
+the launch table's choice. Writes bench/results/gdn-segments-<device>-<date>.txt.
 """
 import argparse
 import datetime
@@ -20,6 +22,7 @@ import torch  # noqa: E402
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
 from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
 from flash_dma.benchmarks.gdn import VARLEN_SEED, varlen_lengths  # noqa: E402
+from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
 # (label, B, T, H, packed lengths or None)
@@ -76,6 +79,8 @@ def main() -> int:
     parser.add_argument("--splits", default="2,4,8,16,32", help="chunks per segment, comma-separated")
     parser.add_argument("--shapes", help="labels of SHAPES to run, comma-separated (default: all)")
     parser.add_argument("--kda", action="store_true", help="also the per-key gate (g + gk)")
+    parser.add_argument("--tiles", default="", help="state-pass tiles BV:warps:stages to force on the splits, comma-separated")
+    parser.add_argument("--tag", default="", help="suffix of the results file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_gdn_segments.py: no CUDA GPU here; nothing can be timed")
@@ -88,7 +93,7 @@ def main() -> int:
              f"CUDA {env['cuda']} | {datetime.date.today():%Y-%m-%d} | bf16, K = V = 128, h0 + final state",
              "ms: median of triton.testing.do_bench; speed-up against unsplit; err: max relative norm error of "
              "the outputs and gradients against the unsplit call",
-             f"{'shape':<28} {'split':>7} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'err':>9}"]
+             f"{'shape':<28} {'split':>16} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'err':>9}"]
     print("\n".join(lines), flush=True)
     for label, B, T, H, lengths in SHAPES:
         if wanted and label not in wanted:
@@ -98,8 +103,16 @@ def main() -> int:
             name = label + (" KDA" if kda else "") + (f" ({len(lengths)} seqs)" if lengths else "")
             base_fwd = base_all = None
             reference = None
-            for split in [0, None] + [c for c in splits if c != 0]:  # whole (the baseline), the rule, forced splits
-                with overrides(gdn_chunks_per_segment=split) if split is not None else overrides():
+            tiles = [None] + [tuple(map(int, t.split(":"))) for t in args.tiles.split(",") if t]
+            runs = [(0, None), (None, None)] + [(c, t) for c in splits if c != 0 for t in tiles]
+            for split, tile in runs:  # whole (the baseline), the rule, forced splits (x tiles)
+                forced = {}
+                if split is not None:
+                    forced["gdn_chunks_per_segment"] = split
+                if tile is not None:
+                    cfg = GdnConfig(128, *tile)
+                    forced.update(gdn_fwd_h=cfg, gdn_fwd_h_from_t=cfg, gdn_bwd_dhu=cfg)
+                with overrides(**forced):
                     with torch.no_grad():
                         fwd = time_ms(lambda: call(x))
                     results = fwd_bwd(x)
@@ -108,7 +121,10 @@ def main() -> int:
                     base_fwd, base_all, reference, err = fwd, both, results, 0.0
                 else:
                     err = max(rel_err(r, ref) for r, ref in zip(results, reference))
-                line = (f"{name:<28} {('rule' if split is None else 'whole' if split == 0 else split):>7} {fwd:9.3f} {base_fwd / fwd:6.2f} "
+                what = "rule" if split is None else "whole" if split == 0 else str(split)
+                if tile is not None:
+                    what += " BV{}W{}S{}".format(*tile)
+                line = (f"{name:<28} {what:>16} {fwd:9.3f} {base_fwd / fwd:6.2f} "
                         f"{both:11.3f} {base_all / both:6.2f} {err:9.1e}")
                 lines.append(line)
                 print(line, flush=True)
@@ -117,7 +133,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"gdn-segments-{device}-{datetime.date.today():%Y%m%d}.txt")
+    path = os.path.join(out, f"gdn-segments-{device}-{datetime.date.today():%Y%m%d}{args.tag}.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"written: {path}")
