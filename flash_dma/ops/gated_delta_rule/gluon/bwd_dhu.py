@@ -50,6 +50,16 @@ def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, w, do, d
 
 
 @gluon.jit
+def _gate_rows(g_cum, c, bos, seq_len, hv, HV: gl.constexpr, rows):
+    """(g_cum over chunk c's rows, 0 past its end; g_cum at its last row); c < 0 reads nothing."""
+    n_valid = gl.where(c >= 0, gl.minimum(seq_len - c * CHUNK, CHUNK), 0)
+    tok0 = bos + gl.maximum(c, 0).to(gl.int64) * CHUNK
+    b_row = gl.load(g_cum + (tok0 + rows) * HV + hv, mask=rows < n_valid, other=0.0)
+    last = gl.load(g_cum + (tok0 + gl.maximum(n_valid - 1, 0)) * HV + hv, mask=n_valid > 0, other=0.0)
+    return b_row, last
+
+
+@gluon.jit
 def _operands_ready():
     """Shared-memory writes of every thread (registers or cp.async) made visible to wgmma."""
     fence_async_shared()
@@ -110,6 +120,9 @@ def gdn_bwd_dhu_wgmma_kernel(q, k, w, do, dv, g_cum, dht, dh, dh0, dv2, cu_seqle
         state = gl.zeros([K, BV], gl.float32, acc)
     rows = gl.arange(0, CHUNK, layout=acc_rows)
 
+    # the gate rows are read one chunk ahead into registers (a load at use sat on the chain)
+    if HAS_G:
+        b_row_next, b_last_next = _gate_rows(g_cum, num_chunks - 1, bos, seq_len, hv, HV, rows)
     for i in gl.static_range(STAGES - 1):
         _issue_loads(i, num_chunks, bos, seq_len, head, hv, v_start, q, k, w, do, dv,
                      q_ring, k_ring, w_ring, do_ring, dv_ring, HQ, HV, K, V, BV, STAGES, key_load, value_load)
@@ -131,8 +144,9 @@ def gdn_bwd_dhu_wgmma_kernel(q, k, w, do, dv, g_cum, dht, dh, dh0, dv2, cu_seqle
                            is_async=True)
         # off the chain while k D runs: the gates, do's rows scaled, dv
         if HAS_G:
-            b_row = gl.load(g_cum + (tok0 + rows) * HV + hv, mask=valid, other=0.0)
-            b_last = gl.load(g_cum + (tok0 + n_valid - 1) * HV + hv)
+            b_row = b_row_next
+            b_last = b_last_next
+            b_row_next, b_last_next = _gate_rows(g_cum, c - 1, bos, seq_len, hv, HV, rows)
             do_scale = gl.where(valid, gl.exp(b_row) * scale, 0.0)
             kd_scale = gl.where(valid, gl.exp(b_last - b_row), 0.0)
             state = state * gl.exp(b_last)
