@@ -75,7 +75,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state))
     if compiling:  # traced by torch.compile: one custom op node (custom_op.py)
-        o, final, _, _ = gated_delta_rule_fwd(*args, backward)
+        o, final, *_ = gated_delta_rule_fwd(*args, backward)
         final = present(final, bool(output_final_state))
     else:
         with device_guard(q.device):

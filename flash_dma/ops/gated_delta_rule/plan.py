@@ -185,6 +185,13 @@ def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> t
     return Chosen(rule, "rule"), Chosen(None, "rule")
 
 
+def forward_segment_chunks(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> int | None:
+    """Chunks per segment of the forward state passes of a call of these shapes, as plan_call
+    decides it, or None (not cut). Reads shapes only: the custom op's fake function sizes the
+    forward's kept segments with it (custom_op.py)."""
+    return _segments(B, T, HV, num_seqs, varlen, device)[0].value
+
+
 def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chunks_per_segment) -> int:
     """The independent (sequence or segment, value head) chains of the state passes: what their
     launch configurations and the states-from-T rule go by. Cut into segments, each segment is a

@@ -109,3 +109,46 @@ def test_opcheck():
     beta = torch.rand(B, T, H, device=DEVICE).requires_grad_()
     h0 = _leaf(B, H, K, V)
     torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, g, None, beta, 0.25, h0, True, None, True))
+
+
+def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
+    """With the state pass cut into segments (forced here: two segments of one chunk for T = 70),
+    the forward op returns each segment's start and transition, sized as its fake function says
+    (opcheck), and the backward op hands them back to the backward, whose recompute then runs
+    only the last pass, as the eager Function's does; compiled results equal eager ones."""
+    from flash_dma.ops.gated_delta_rule.segments import segment_bound
+    from flash_dma.ops.gated_delta_rule.triton import state_pass
+    from flash_dma.runtime.config import overrides
+
+    B, T, H, K, V = 1, 70, 1, 16, 16
+    known_in_backward = []
+    real_states = state_pass.states
+
+    def spy(*args, known=None, **kwargs):
+        known_in_backward.append(known is not None)
+        return real_states(*args, known=known, **kwargs)
+
+    monkeypatch.setattr(state_pass, "states", spy)
+
+    def loss(q, k, v, g_raw, beta_raw, h0):
+        o, final = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw),
+                                          initial_state=h0, output_final_state=True)
+        return (o ** 2).sum() + final.sum()
+
+    leaves = [_leaf(B, T, H, K), _leaf(B, T, H, K), _leaf(B, T, H, V), _leaf(B, T, H), _leaf(B, T, H),
+              _leaf(B, H, K, V)]
+    with overrides(gdn_chunks_per_segment=1):
+        outputs = gated_delta_rule_fwd(*(x.detach() for x in leaves[:3]), F.logsigmoid(leaves[3]).detach(), None,
+                                       torch.sigmoid(leaves[4]).detach(), K ** -0.5, leaves[5].detach(), True,
+                                       None, False)
+        slots = segment_bound(B, T, None, 1)
+        assert outputs[4].shape == (slots, H, K, V) and outputs[5].shape == (slots, H, K, K)
+        q, k, v, g_raw, beta_raw, h0 = leaves
+        torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, F.logsigmoid(g_raw), None, torch.sigmoid(beta_raw),
+                                                     0.25, h0, True, None, True))
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        known_in_backward.clear()
+        assert_compiled_matches_eager(compiled, loss, leaves)
+    # two forwards (compiled, eager) and two backward recomputes, each backward given the segments
+    assert known_in_backward.count(True) == 2, known_in_backward
