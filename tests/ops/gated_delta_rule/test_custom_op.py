@@ -150,5 +150,6 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
         compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
         known_in_backward.clear()
         assert_compiled_matches_eager(compiled, loss, leaves)
-    # two forwards (compiled, eager) and two backward recomputes, each backward given the segments
-    assert known_in_backward.count(True) == 2, known_in_backward
+    # every forward (compiled, eager; on the GPU also the first call's compile-ahead dry run) cuts,
+    # and every backward's recompute is given the forward's segments
+    assert known_in_backward.count(True) == known_in_backward.count(False) >= 2, known_in_backward
