@@ -50,4 +50,4 @@ if __name__ == "__main__":
     stem = os.path.join(out, f"{name}-{device}-{datetime.date.today():%Y%m%d}{'-quick' if args.quick else ''}"
                              f"{'-' + args.tag if args.tag else ''}")
     sys.exit(run_bench(ops, args.quick, json_path=stem + ".json", report=stem + ".txt",
-                       gdn_cases=parse_cases(args.cases)))
+                       cases=parse_cases(args.cases)))

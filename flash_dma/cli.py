@@ -69,14 +69,14 @@ def _runner(op: str):
 
 
 def run_bench(ops, quick: bool = False, json_path: str | None = None, plot: str | None = None,
-              report: str | None = None, gdn_cases=None) -> int:
-    """Time the given ops on this GPU, print one report, write the files asked for. gdn_cases:
-    labels of the gdn op plan to run (all when None)."""
+              report: str | None = None, cases=None) -> int:
+    """Time the given ops on this GPU, print one report, write the files asked for. cases:
+    labels of the attention or gdn cases to run (all when None)."""
     from .benchmarks.common import environment, format_report, write_json, write_plot
     env = environment()
     sections, notes = [], []
     for op in ops:
-        extra = {"cases": gdn_cases} if op == "gdn" and gdn_cases else {}
+        extra = {"cases": cases} if op in ("gdn", "attention") and cases else {}
         secs, op_notes = _runner(op)(quick, _progress(op), **extra)
         sections += secs
         notes += [n for n in op_notes if n not in notes]
@@ -212,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="write every number with its metadata")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of throughput against length")
     b.add_argument("--report", metavar="PATH", help="also write the text report to PATH")
-    b.add_argument("--cases", metavar="LABELS", help="gdn: some cases of the op plan, by label, "
-                   "comma-separated (e.g. 'B8 T4096 H32,B2 T8192 H8 K256 V256'); the peers' first "
-                   "calls (FLA's autotuning, FlashQLA's TileLang compiles) take minutes per new shape")
+    b.add_argument("--cases", metavar="LABELS", help="attention or gdn: some cases, by label, "
+                   "comma-separated (e.g. 'B4 H16 S4096 D128,B4 H16 S4096 D128 causal' or "
+                   "'B8 T4096 H32,B2 T8192 H8 K256 V256'); the peers' first calls (FLA's autotuning, "
+                   "FlashQLA's TileLang compiles) take minutes per new shape")
     t = sub.add_parser("tune", help="sweep launch configurations on this GPU and store the fastest "
                        "in the tuning cache")
     t.add_argument("op", nargs="?", default="all", choices=("attention", "gdn", "all"))

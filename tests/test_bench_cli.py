@@ -466,3 +466,19 @@ def test_slow_decay_case_keeps_states_across_chunks():
     strong = make_op_inputs(OpCase(1, 4096, 2, 16, 16), device="cpu")["g"]
     assert -0.2 < slow.mean().item() * 64 < 0 and strong.mean().item() * 64 < -5
     assert "B1 T32768 H16 slow-decay" in [c.label for c in op_plan(False)]
+
+
+def test_attention_cases_by_label_and_plain_peers(monkeypatch):
+    """`--cases` picks attention cases by label as it does gdn's; the plain rows carry FA4 and
+    flash-sparse-attn's dense kernel beside SDPA."""
+    from flash_dma.benchmarks import attention
+    seen = []
+    monkeypatch.setattr(attention, "run_case", lambda case, notes, progress=None: seen.append(case.label) or [])
+    attention.run(False, None, cases=["B4 H16 S4096 D128 causal", "B4 H16 S4096 D128"])
+    assert seen == ["B4 H16 S4096 D128", "B4 H16 S4096 D128 causal"]  # in the report's order
+    with pytest.raises(ValueError, match="not attention cases"):
+        attention.run(False, None, cases=["B3 H5 S7 D9"])
+    plain = [c for _, group in attention.sections(False) for c in group if c.label == "B4 H16 S4096 D128"][0]
+    assert {"sdpa-cudnn", "fa4", "flash-sparse-attn"} <= set(plain.peers)
+    args = build_parser().parse_args(["bench", "attention", "--cases", "B4 H16 S4096 D128"])
+    assert args.cases == "B4 H16 S4096 D128"

@@ -1,5 +1,7 @@
-"""Dynamic mask attention beside its peers: FlexAttention, SDPA (cuDNN, flash, memory-efficient)
-and flash-dmattn's Triton backend, each used when importable and skipped with a note when not.
+"""Dynamic mask attention beside its peers: FlexAttention, SDPA (cuDNN, flash, memory-efficient),
+FlashAttention-4 (flash-attn-4, CuTe DSL; plain attention), flash-sparse-attn's Triton dense
+kernel (plain attention) and flash-dmattn's Triton backend, each used when importable and skipped
+with a note when not.
 
 Every configuration is timed forward and backward (dq, dk, dv and, with a trainable bias,
 dbias), ours and the peer in the same process, and the outputs are compared.
@@ -172,7 +174,36 @@ def flash_dmattn(case: AttnCase, x: Inputs):
     return fwd, [q, k, v] + ([bias] if bias is not None else []), x.dout, False
 
 
+def fa4(case: AttnCase, x: Inputs):
+    """FlashAttention-4's own entry point (the kernels the CuTe backend runs for plain attention):
+    plain rows only (it has no additive bias with a gradient)."""
+    from flash_attn.cute import flash_attn_func
+    if x.mask is not None or x.bias is not None:
+        raise ValueError("plain attention only")
+    (q, k, v), _ = _leaves(x, False, False)
+
+    def fwd():
+        out = flash_attn_func(q, k, v, causal=case.causal)
+        return out[0] if isinstance(out, tuple) else out
+    return fwd, [q, k, v], x.dout, False
+
+
+def flash_sparse_attn(case: AttnCase, x: Inputs):
+    """flash-sparse-attn's Triton dense kernel (flash-dmattn's successor; its own autotuning on),
+    plain rows only: it takes no mask or bias tensor."""
+    from flash_sparse_attn import flash_dense_attn_func
+    if x.mask is not None or x.bias is not None:
+        raise ValueError("plain attention only")
+    (q, k, v), _ = _leaves(x, False, False)
+
+    def fwd():
+        return flash_dense_attn_func(q, k, v, is_causal=case.causal)
+    return fwd, [q, k, v], x.dout, False
+
+
 PEERS: dict[str, Callable] = {
+    "fa4": fa4,
+    "flash-sparse-attn": flash_sparse_attn,
     "flex": flex,
     "sdpa-cudnn": sdpa("cudnn"),
     "sdpa-flash": sdpa("flash"),
@@ -192,6 +223,10 @@ def peer_available(name: str) -> str | None:
             import torch.nn.attention  # noqa: F401
         elif name == "flash-dmattn":
             import flash_dmattn_triton  # noqa: F401
+        elif name == "fa4":
+            import flash_attn.cute  # noqa: F401
+        elif name == "flash-sparse-attn":
+            import flash_sparse_attn  # noqa: F401
     except ImportError as exc:
         return f"{name} not installed ({exc.name})"
     return None
@@ -270,7 +305,7 @@ def sections(quick: bool) -> list[tuple[str, list[AttnCase]]]:
     for d, h in ((128, 16),) if quick else ((64, 16), (128, 16), (256, 8)):
         for causal in (False, True):
             plain.append(AttnCase(f"B4 H{h} S4096 D{d}{' causal' if causal else ''}", 4, h, 4096, d,
-                                  causal, peers=("sdpa-cudnn", "sdpa-flash")))
+                                  causal, peers=("sdpa-cudnn", "sdpa-flash", "fa4", "flash-sparse-attn")))
     sparse = [
         # the issue's case (a mask alone), then with a full bias, whose [B, H, S, S] gradient must
         # be written whole (zeros where tiles are skipped) however sparse the mask
@@ -289,10 +324,18 @@ def sections(quick: bool) -> list[tuple[str, list[AttnCase]]]:
             ("sparsity: masked vs unmasked, and vs FlexAttention's BlockMask", sparse)]
 
 
-def run(quick: bool = False, progress_factory=None) -> tuple[list[Section], list[str]]:
+def run(quick: bool = False, progress_factory=None, cases=None) -> tuple[list[Section], list[str]]:
+    """cases: labels of cases to run (every case when None)."""
     notes: list[str] = []
     out = []
     plan = sections(quick)
+    if cases:
+        known = {c.label for _, group in plan for c in group}
+        unknown = [label for label in cases if label not in known]
+        if unknown:
+            raise ValueError(f"cases: {unknown} are not attention cases; the labels: {sorted(known)}")
+        plan = [(title, [c for c in group if c.label in cases]) for title, group in plan]
+        plan = [(title, group) for title, group in plan if group]
     total = sum(len(c.peers) or 1 for _, cases in plan for c in cases)
     bar = progress_factory(total) if progress_factory else None
     for title, cases in plan:
