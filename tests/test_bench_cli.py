@@ -482,3 +482,14 @@ def test_attention_cases_by_label_and_plain_peers(monkeypatch):
     assert {"sdpa-cudnn", "fa4", "flash-sparse-attn"} <= set(plain.peers)
     args = build_parser().parse_args(["bench", "attention", "--cases", "B4 H16 S4096 D128"])
     assert args.cases == "B4 H16 S4096 D128"
+
+
+def test_gdn_peak_memory_note():
+    """Each side's peak allocation of one fwd+bwd is reported per case (a note line, in the JSON
+    too); sides without a measurement (no CUDA, or the peer did not run) are left out."""
+    def result(peak):
+        return gdn.OpResult(1.0, 2.0, 3.0, [], [], 0.1, peak_mib=peak)
+    line = gdn.peak_memory_note("B1 T32768 H16", {"ours": result(812.4), "FLA": result(1024.0), "FlashQLA": None})
+    assert line == "peak memory of one fwd+bwd above the live set, MiB, B1 T32768 H16: ours 812, FLA 1024"
+    assert gdn.peak_memory_note("x", {"ours": result(None)}) is None
+    assert gdn._peak_mib(lambda: None, "cpu") is None

@@ -638,6 +638,7 @@ class OpResult:
     grads: list  # q, k, v, g, beta (, h0)
     first_s: float
     note: str = ""
+    peak_mib: float | None = None  # one fwd+bwd's peak allocation above the live set (CUDA only)
 
 
 def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
@@ -660,11 +661,12 @@ def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
     grads = torch.autograd.grad(outs, leaves, douts, retain_graph=True)
     _sync(device)
     first = time.perf_counter() - t0
-    fwd_ms = timer(fwd)
 
     def fwd_bwd():
         o, d = targets(fwd())
         return torch.autograd.grad(o, leaves, d)
+    peak = _peak_mib(fwd_bwd, device)
+    fwd_ms = timer(fwd)
     fb_ms = timer(fwd_bwd)
     note = ""
     try:
@@ -672,7 +674,27 @@ def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
     except RuntimeError:  # a backward that frees what it saved: derive it
         bwd_ms, note = fb_ms - fwd_ms, "bwd = (fwd+bwd) - fwd"
     return OpResult(fwd_ms, bwd_ms, fb_ms, [t.detach() if t is not None else None for t in out],
-                    [gr.detach() for gr in grads], first, note)
+                    [gr.detach() for gr in grads], first, note, peak)
+
+
+def _peak_mib(step, device) -> float | None:
+    """MiB that one call of step allocates at its peak above what is live before it (CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    live = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - live) / 2**20
+
+
+def peak_memory_note(label: str, results: dict) -> str | None:
+    """One line per case: each side's peak MiB of one fwd+bwd (above the live set)."""
+    parts = [f"{who} {r.peak_mib:.0f}" for who, r in results.items() if r is not None and r.peak_mib is not None]
+    if not parts:
+        return None
+    return f"peak memory of one fwd+bwd above the live set, MiB, {label}: " + ", ".join(parts)
 
 
 def _with_per_key_gate(op):
@@ -709,6 +731,9 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
         except Exception as exc:  # noqa: BLE001 - one failing configuration is a result
             msgs[who].append(_refusal(who, exc))
     o = res["ours"]
+    line = peak_memory_note(case.label, res)
+    if line:
+        notes.append(line)
     acc = {}  # peer -> direction -> (max_abs, max_rel) against ours
     for who in peers:
         fwd = bwd = (None, None)
