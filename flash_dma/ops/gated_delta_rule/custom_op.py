@@ -8,9 +8,10 @@ The forward's g_cum and ai (the gate cumsums and T that the eager Function keeps
 where the plan keeps them) and, where the plan cuts the state pass into segments, each segment's
 starting state and transition are outputs of the forward op, marked non-differentiable, so the
 backward op reuses them as the eager backward does. Their shapes follow from the plan, which
-depends only on shapes, dtypes and the device, so the fake functions derive them the same way. A plan is a Python object and cannot cross an
-op's boundary: the backward op re-plans (plan_call is memoised) and re-reads the layout (cached
-per cu_seqlens tensor). Absent outputs are empty placeholders (runtime/custom_ops.py). The public
+depends only on shapes, dtypes and the device, so the fake functions derive them the same way.
+A plan is a Python object and cannot cross an op's boundary: the backward op re-plans (plan_call
+is memoised) and re-reads the layout (cached per cu_seqlens tensor). Absent outputs are empty
+placeholders (runtime/custom_ops.py). The public
 functions call these ops only while torch.compile traces them (interface.py).
 """
 from __future__ import annotations
@@ -48,12 +49,14 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
         absent(q) if ai is None else ai, starts, transitions
 
 
-def _segment_slots(q, v, cu_seqlens) -> int | None:
-    """The segments (slots) of the forward's sequence split where its plan cuts, else None: what
-    the forward op returns as starts and transitions."""
+def _segment_slots(q, v, cu_seqlens, per_segment: int | None = None) -> int | None:
+    """The segments (slots) of the forward's sequence split, cut into segments of per_segment
+    chunks (default: as its plan cuts), else None: the first dimension of the starts and
+    transitions the forward op returns."""
     B, T = q.shape[:2]
     num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    per_segment = forward_segment_chunks(B, T, v.shape[2], num_seqs, cu_seqlens is not None, q.device)
+    if per_segment is None:
+        per_segment = forward_segment_chunks(B, T, v.shape[2], num_seqs, cu_seqlens is not None, q.device)
     if per_segment is None:
         return None
     return segment_bound(B, T, None if cu_seqlens is None else num_seqs, per_segment)
@@ -100,10 +103,10 @@ def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v
     ai = ai if plan.keep_inverse else None
     # the forward's cut, where it made one with this plan (overrides changed between the two
     # calls would give another plan: the segments are then computed again)
+    per_segment = plan.chunks_per_segment.value
     segments = None
-    if starts.numel() and plan.chunks_per_segment.value is not None \
-            and starts.shape[0] == segment_bound(B, T, layout.num_seqs if layout.is_varlen else None,
-                                                 plan.chunks_per_segment.value):
+    if (starts.numel() and per_segment is not None
+            and starts.shape[0] == _segment_slots(q, v, cu_seqlens, per_segment)):
         segments = (starts, transitions)
     grads = run_backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, g_cum, ai, do, dht, segments)
     return tuple(absent(q) if t is None else t.contiguous() for t in grads)
