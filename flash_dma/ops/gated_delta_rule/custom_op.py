@@ -11,8 +11,8 @@ backward op reuses them as the eager backward does. Their shapes follow from the
 depends only on shapes, dtypes and the device, so the fake functions derive them the same way.
 A plan is a Python object and cannot cross an op's boundary: the backward op re-plans (plan_call
 is memoised) and re-reads the layout (cached per cu_seqlens tensor). Absent outputs are empty
-placeholders (runtime/custom_ops.py). The public
-functions call these ops only while torch.compile traces them (interface.py).
+placeholders (runtime/custom_ops.py). The public functions call these ops only while
+torch.compile traces them (interface.py).
 """
 from __future__ import annotations
 
