@@ -6,12 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "context_parallel.py"
 
 
+# The script runs the kernels in Triton's interpreter, which breaks on numpy >= 2.4 (the package pins
+# numpy < 2.4, pyproject.toml); a GPU machine's own environment may carry a newer one.
+NUMPY_TOO_NEW = tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
+
+
+@pytest.mark.skipif(NUMPY_TOO_NEW, reason=f"Triton 3.6's interpreter fails on numpy {numpy.__version__} (needs < 2.4)")
 @pytest.mark.parametrize("extra", [[], ["--packed"]], ids=["ring", "packed"])
 def test_two_ranks_match_one_process(extra):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
