@@ -530,6 +530,26 @@ def _expected_cute_backward(mask, bias, B, H, Sq, Sk, deterministic=False):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(2, 4, 300, 257), (1, 2, 300, 257), (2, 4, 1, 257), (2, 1, 300, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim):
+    """The CuTe forward's bias read from the score fragment (cute/forward_bias.py) and through
+    FA4's score_mod hook: each against the fp64 reference (odd key length, GQA, causal, every
+    broadcast kind of the bias's key stride: 1, 0 and a broadcast along keys), and the two
+    outputs against each other."""
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 257, 4, 2, head_dim, dtype, None, bias_shape)
+    outs = {}
+    for direct in (True, False):
+        with config.overrides(attention_cute_direct_bias=direct):
+            check_against_reference(q, k, v, None, bias, True, dtype, grad=False)
+            outs[direct] = flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
+    assert [p for p in on_cute if p[0] == "fwd"] == [("fwd", "cute")] * 4
+    diff = (outs[True].double() - outs[False].double()).norm() / outs[False].double().norm()
+    assert diff < 2e-3, diff
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", list(BROADCASTS))

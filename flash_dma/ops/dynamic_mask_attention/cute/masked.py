@@ -22,6 +22,7 @@ How the pieces meet FA4:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -46,6 +47,11 @@ BIAS_GAP = "the CuTe backend's bias path is turned off (declared choice attentio
 declare_choice("attention_cute_bias", True, (False, True),
                "let a forced CuTe backend take a bias through its score_mod hooks (auto keeps "
                "biases on Triton either way)")
+
+
+declare_choice("attention_cute_direct_bias", True, (False, True),
+               "the CuTe forward adds the bias from the score fragment's coordinates "
+               "(cute/forward_bias.py) instead of through FA4's per-element score_mod hook")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -192,8 +198,15 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     q, k, v = (plain._tma_ready(t) for t in (q, k, v))
     aux, grouped = _aux(shape, mask, bias)
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
+    kernel = contextlib.nullcontext()
+    if bias is not None and choice("attention_cute_direct_bias").value:
+        from . import forward_bias
+        if forward_bias.keys_contiguous(aux[BIAS_SLOT]):
+            aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(aux[BIAS_SLOT])
+        score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT])
+        kernel = forward_bias.direct_bias_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=False)
-    with device_guard(q.device):
+    with device_guard(q.device), kernel:
         out, lse = plain._fa4()._flash_attn_fwd(
             q, k, v, softmax_scale=softmax_scale, causal=causal and mask is None,
             score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux,
