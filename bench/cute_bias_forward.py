@@ -4,7 +4,9 @@ one process:
     python bench/cute_bias_forward.py [--cases "D128 full,D128 key"] [--budget-s 480]
 
 - cute-direct: FA4's SM90 forward with the bias added from the score fragment's coordinates
-  (cute/forward_bias.py; declared choice attention_cute_direct_bias, the default);
+  (cute/forward_bias.py; declared choice attention_cute_direct_bias, the default), with its
+  defaults (paired loads, next tile prefetched to L2); direct-no-pairs, direct-no-prefetch and
+  direct-L1 change one of them;
 - cute-hook: the same forward through FA4's per-element score_mod hook (hooks.py);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
 - cute-plain: the same problem without the bias (what the bias costs).
@@ -41,13 +43,18 @@ CASES = {
     "D64 full": dict(H=16, D=64, bias="full"),
     "D256 full": dict(H=8, D=256, bias="full"),
 }
+DIRECT = dict(attention_cute_bias=True, attention_cute_direct_bias=True)
 VARIANTS = {
-    "cute-direct": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=True)),
+    "cute-direct": ("cute", DIRECT),
+    "direct-no-pairs": ("cute", dict(DIRECT, attention_cute_bias_pairs=False)),
+    "direct-no-prefetch": ("cute", dict(DIRECT, attention_cute_bias_prefetch="none")),
+    "direct-L1": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L1")),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False)),
     "triton": ("triton", {}),
     "flex": ("flex", {}),
     "cute-plain": ("cute", {}),
 }
+# the cases' labels, for --cases
 
 
 def run_variant(name, case, x, ref):
@@ -64,6 +71,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     status = cute_status_here()
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
         x = peers.make_inputs(case)
         ref = sliced_reference(x, case.causal)
         results = {}
-        for name in VARIANTS:
+        for name in [n.strip() for n in args.variants.split(",") if n.strip()]:
             if time.monotonic() > deadline:
                 problems.append(f"{label} {name}: skipped (time budget)")
                 continue

@@ -24,8 +24,11 @@ import threading
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flash_attn.cute import interface as fa_interface
+from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.utils import AuxData
 
@@ -35,8 +38,18 @@ with open(__file__, "rb") as _source:
     _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
 
 
+PREFETCH_LEVELS = ("none", "L2", "L1")
+
+
+@dsl_user_op
+def _prefetch_line(pointer: cute.Pointer, level: cutlass.Constexpr, *, loc=None, ip=None) -> None:
+    """prefetch.global.<level>: the cache line holding pointer, no register written."""
+    llvm.inline_asm(None, [pointer.toint(loc=loc, ip=ip).ir_value()], f"prefetch.global.{level} [$0];",
+                    "l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @functools.lru_cache(maxsize=None)
-def direct_bias_score_mod(bias_slot: int, grouped: bool):
+def direct_bias_score_mod(bias_slot: int, grouped: bool, prefetch: str = "L2", pairs: bool = False):
     """The score_mod FA4 is given for a direct-bias forward. FA4 never calls it (the class below
     replaces the method that would); FA4 reads from it that a score_mod exists (so the scale is
     applied before it and the softmax takes log2(e) alone) and keys its compile cache on its
@@ -47,9 +60,11 @@ def direct_bias_score_mod(bias_slot: int, grouped: bool):
     def score_mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         return fn(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors)
 
-    score_mod.direct_bias = (bias_slot, grouped)
+    if prefetch not in PREFETCH_LEVELS:
+        raise ValueError(f"prefetch: expected one of {PREFETCH_LEVELS}, got {prefetch!r}")
+    score_mod.direct_bias = (bias_slot, grouped, prefetch, pairs)
     score_mod.__cute_hash__ = hashlib.sha256(
-        f"{_SOURCE_DIGEST}:direct:{bias_slot}:{grouped}".encode()).hexdigest()
+        f"{_SOURCE_DIGEST}:direct:{bias_slot}:{grouped}:{prefetch}:{pairs}".encode()).hexdigest()
     return score_mod
 
 
@@ -82,7 +97,7 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
     @cute.jit
     def _add_bias(self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block, softmax_scale,
                   seqlen, aux_data: AuxData):
-        bias_slot, grouped = self.score_mod.direct_bias
+        bias_slot, grouped, prefetch, pairs = self.score_mod.direct_bias
         bias = aux_data.tensors[bias_slot]
         coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
         coords = cute.domain_offset((m_block * self.tile_m, n_block * self.tile_n), coords)
@@ -90,7 +105,56 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
         last_q = seqlen.seqlen_q - 1
         last_k = seqlen.seqlen_k - 1
         group = self.qhead_per_kvhead
-        for i in cutlass.range(cute.size(acc_S.shape), unroll_full=True):
+        if const_expr(pairs):
+            # Neighbouring keys as one load where every pair is aligned: an even key count (a
+            # pair never passes the end), even strides and an aligned start. Known only at run
+            # time (the strides and lengths are runtime values), so both loops are compiled and
+            # one runs: a new length never compiles anything.
+            even = seqlen.seqlen_k % 2 == 0
+            for d in cutlass.range_constexpr(cute.rank(bias.layout) - 1):
+                stride = bias.stride[d]
+                if const_expr(not isinstance(stride, int)):  # static ones are 0 here
+                    even = even & (stride % 2 == 0)
+            alignment = 2 * bias.element_type.width // 8
+            even = even & (bias.iterator.toint() % alignment == 0)
+            if even:
+                self._add_bias_elements(bias, grouped, 2, frag_coords, acc_S, batch_idx, head_idx,
+                                        softmax_scale, last_q, last_k)
+            else:
+                self._add_bias_elements(bias, grouped, 1, frag_coords, acc_S, batch_idx, head_idx,
+                                        softmax_scale, last_q, last_k)
+        else:
+            self._add_bias_elements(bias, grouped, 1, frag_coords, acc_S, batch_idx, head_idx,
+                                    softmax_scale, last_q, last_k)
+        if const_expr(prefetch != "none"):
+            # The next tile's bias lines (FA4 walks key tiles downwards), so that its loads find
+            # them in cache instead of waiting on DRAM after that tile's QK^T. A few fragment
+            # elements per thread: the first, middle and last columns of both of its rows (in
+            # the MMA accumulator layout), enough to touch every line of the tile's rows.
+            n = cute.size(acc_S.shape)
+            for i in cutlass.range_constexpr(6):
+                j = (0, 2, n // 2, n // 2 + 2, n - 4, n - 2)[i]
+                row = frag_coords[j][0]
+                head = head_idx
+                if const_expr(self.pack_gqa):
+                    head = head_idx * group + row % group
+                    row = row // group
+                q = cutlass.min(row, last_q)
+                k = cutlass.max(cutlass.min(frag_coords[j][1] - self.tile_n, last_k), 0)
+                if const_expr(grouped):
+                    line = fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
+                else:
+                    line = fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
+                _prefetch_line(line, prefetch)
+
+    @cute.jit
+    def _add_bias_elements(self, bias, grouped: cutlass.Constexpr, step: cutlass.Constexpr,
+                           frag_coords, acc_S, batch_idx, head_idx, softmax_scale, last_q, last_k):
+        """acc_S = acc_S * scale + bias at each element's clamped (q, k); step 2: elements i and
+        i + 1 of the accumulator fragment are neighbouring keys of one row (the SM90 MMA
+        layout), read as one aligned load (the caller checked the alignment)."""
+        group = self.qhead_per_kvhead
+        for i in cutlass.range_constexpr(0, cute.size(acc_S.shape), step):
             row = frag_coords[i][0]
             head = head_idx
             if const_expr(self.pack_gqa):
@@ -98,13 +162,20 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
                 head = head_idx * group + row % group
                 row = row // group
             q = cutlass.min(row, last_q)
-            k = cutlass.min(frag_coords[i][1], last_k)
-            cell = cute.make_rmem_tensor(1, bias.element_type)
+            k = cutlass.min(frag_coords[i][1], last_k + 1 - step)
             if const_expr(grouped):
-                cell[0] = bias[batch_idx, head // bias.shape[2], 0, q, k]
+                at = fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
             else:
-                cell[0] = bias[batch_idx, head, q, k]
-            acc_S[i] = acc_S[i] * softmax_scale + cell.load().to(Float32)[0]
+                at = fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
+            if const_expr(step == 2):
+                aligned = cute.make_ptr(bias.element_type, at.toint(), cute.AddressSpace.gmem,
+                                        assumed_align=2 * bias.element_type.width // 8)
+                values = cute.make_tensor(aligned, cute.make_layout(2)).load().to(Float32)
+                acc_S[i] = acc_S[i] * softmax_scale + values[0]
+                acc_S[i + 1] = acc_S[i + 1] * softmax_scale + values[1]
+            else:
+                value = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)
+                acc_S[i] = acc_S[i] * softmax_scale + value[0]
 
 
 _SWAP_LOCK = threading.Lock()

@@ -52,6 +52,11 @@ declare_choice("attention_cute_bias", True, (False, True),
 declare_choice("attention_cute_direct_bias", True, (False, True),
                "the CuTe forward adds the bias from the score fragment's coordinates "
                "(cute/forward_bias.py) instead of through FA4's per-element score_mod hook")
+declare_choice("attention_cute_bias_prefetch", "L2", ("none", "L2", "L1"),
+               "the direct-bias forward prefetches the next key tile's bias lines to this cache level")
+declare_choice("attention_cute_bias_pairs", True, (False, True),
+               "the direct-bias forward reads two neighbouring keys per load (where the bias's "
+               "layout keeps every pair aligned, checked in the kernel)")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -201,9 +206,12 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     kernel = contextlib.nullcontext()
     if bias is not None and choice("attention_cute_direct_bias").value:
         from . import forward_bias
-        if forward_bias.keys_contiguous(aux[BIAS_SLOT]):
-            aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(aux[BIAS_SLOT])
-        score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT])
+        view = aux[BIAS_SLOT]
+        if forward_bias.keys_contiguous(view):
+            aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(view)
+        pairs = choice("attention_cute_bias_pairs").value and forward_bias.keys_contiguous(view)
+        score_mod = forward_bias.direct_bias_score_mod(
+            BIAS_SLOT, grouped[BIAS_SLOT], choice("attention_cute_bias_prefetch").value, pairs)
         kernel = forward_bias.direct_bias_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=False)
     with device_guard(q.device), kernel:
