@@ -54,7 +54,6 @@ VARIANTS = {
     "flex": ("flex", {}),
     "cute-plain": ("cute", {}),
 }
-# the cases' labels, for --cases
 
 
 def run_variant(name, case, x, ref):

@@ -211,7 +211,8 @@ def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
     key_wise = (mask is not None and requested != "triton"
                 and sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads) == sparsity.KV_GATHERED)
     name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
-                                  q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise)
+                                  q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise,
+                                  bias_per_key=bias is not None and bias.shape[-2] == 1)
     if name != "cute" and requested == "cute":
         profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
     return Chosen(name, ("override, " if forced is not None else "") + reason)
@@ -220,7 +221,9 @@ def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
 def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend: Chosen,
               extra: tuple = ()) -> None:
     heads_word = lambda t: "H" if t is None or t.shape[1] == pb.num_heads else "Hk"  # noqa: E731
-    path = "fa4-plain" if mask is None and bias is None else "fa4-hooks"
+    path = ("fa4-plain" if mask is None and bias is None else
+            "fa4-direct-bias" if bias is not None and pass_name == "fwd"
+            and choice("attention_cute_direct_bias").value else "fa4-hooks")
     profile.log_choice("attention", pass_name, "cute", device_info(device),
                        (("D", pb.head_dim), ("Sq", pb.seqlen_q), ("Sk", pb.seqlen_k),
                         ("B", pb.batch), ("H", pb.num_heads), ("Hk", pb.num_kv_heads),

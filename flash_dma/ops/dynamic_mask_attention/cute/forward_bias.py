@@ -8,7 +8,9 @@ its own fragment of the score tile, whose (query, key) coordinates are fixed by 
 clamps them into the problem (lanes past the lengths are masked after this step, so any real
 entry serves them) and adds bias[b, h, q, k] read from the aux view (hooks.py's layout: 4-d, or
 5-d grouped per kv head), whose key stride is declared 1 (`mark_keys_contiguous`) so the key
-offset is a plain add. Everything else (pipelines, softmax, masks, tile lists) is FA4's.
+offset is a plain add. Two neighbouring keys come as one load where the layout keeps every pair
+aligned (decided in the kernel), and each tile prefetches the next key tile's bias lines.
+Everything else (pipelines, softmax, masks, tile lists) is FA4's.
 
 The class is swapped in only while our bias forward calls FA4 (`direct_bias_kernel`), under a
 lock; the score_mod it carries is marked (`direct_bias_score_mod`), so FA4's compile cache keys
@@ -53,7 +55,8 @@ def direct_bias_score_mod(bias_slot: int, grouped: bool, prefetch: str = "L2", p
     """The score_mod FA4 is given for a direct-bias forward. FA4 never calls it (the class below
     replaces the method that would); FA4 reads from it that a score_mod exists (so the scale is
     applied before it and the softmax takes log2(e) alone) and keys its compile cache on its
-    __cute_hash__. The bias slot and grouping travel as attributes for the kernel's trace."""
+    __cute_hash__. The bias slot, grouping, prefetch level (PREFETCH_LEVELS) and whether paired
+    loads are compiled in travel as an attribute for the kernel's trace."""
     fn = hooks.bias_score_mod(bias_slot, grouped, 1)
 
     @cute.jit
@@ -104,7 +107,6 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
         frag_coords = thr_mma_qk.partition_C(coords)
         last_q = seqlen.seqlen_q - 1
         last_k = seqlen.seqlen_k - 1
-        group = self.qhead_per_kvhead
         if const_expr(pairs):
             # Neighbouring keys as one load where every pair is aligned: an even key count (a
             # pair never passes the end), even strides and an aligned start. Known only at run
@@ -134,18 +136,24 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
             n = cute.size(acc_S.shape)
             for i in cutlass.range_constexpr(6):
                 j = (0, 2, n // 2, n // 2 + 2, n - 4, n - 2)[i]
-                row = frag_coords[j][0]
-                head = head_idx
-                if const_expr(self.pack_gqa):
-                    head = head_idx * group + row % group
-                    row = row // group
-                q = cutlass.min(row, last_q)
                 k = cutlass.max(cutlass.min(frag_coords[j][1] - self.tile_n, last_k), 0)
-                if const_expr(grouped):
-                    line = fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
-                else:
-                    line = fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
-                _prefetch_line(line, prefetch)
+                _prefetch_line(self._bias_at(bias, grouped, batch_idx, head_idx, frag_coords[j][0],
+                                             k, last_q), prefetch)
+
+    @cute.jit
+    def _bias_at(self, bias, grouped: cutlass.Constexpr, batch_idx, head_idx, row, k, last_q):
+        """The bias element's address for fragment row `row` (the query row clamped into the
+        problem) and key k."""
+        head = head_idx
+        if const_expr(self.pack_gqa):
+            # packed rows: query (row // G) of query head head_idx * G + row % G
+            group = self.qhead_per_kvhead
+            head = head_idx * group + row % group
+            row = row // group
+        q = cutlass.min(row, last_q)
+        if const_expr(grouped):
+            return fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
+        return fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
 
     @cute.jit
     def _add_bias_elements(self, bias, grouped: cutlass.Constexpr, step: cutlass.Constexpr,
@@ -153,20 +161,9 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
         """acc_S = acc_S * scale + bias at each element's clamped (q, k); step 2: elements i and
         i + 1 of the accumulator fragment are neighbouring keys of one row (the SM90 MMA
         layout), read as one aligned load (the caller checked the alignment)."""
-        group = self.qhead_per_kvhead
         for i in cutlass.range_constexpr(0, cute.size(acc_S.shape), step):
-            row = frag_coords[i][0]
-            head = head_idx
-            if const_expr(self.pack_gqa):
-                # packed rows: query (row // G) of query head head_idx * G + row % G
-                head = head_idx * group + row % group
-                row = row // group
-            q = cutlass.min(row, last_q)
             k = cutlass.min(frag_coords[i][1], last_k + 1 - step)
-            if const_expr(grouped):
-                at = fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
-            else:
-                at = fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
+            at = self._bias_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k, last_q)
             if const_expr(step == 2):
                 aligned = cute.make_ptr(bias.element_type, at.toint(), cute.AddressSpace.gmem,
                                         assumed_align=2 * bias.element_type.width // 8)

@@ -12,8 +12,10 @@ is slower than the Triton backward's register reductions), and deterministic=Tru
 or an atomic dbias (FA4's ordered block-sparse dq needs write-order metadata we do not build).
 
 How the pieces meet FA4:
-- bias: score_mod adds bias[b, h, q, kv] to the scaled score; the backward's score_mod_bwd gets
-  dS and writes dbias. Bias-only calls keep FA4's own causal handling and tiles.
+- bias: in the forward, forward_bias.py's class adds bias[b, h, q, kv] to the scaled score
+  from each thread's fragment coordinates (the generic score_mod hook where the declared choice
+  attention_cute_direct_bias is off); in the backward, score_mod re-adds it and score_mod_bwd
+  gets dS and writes dbias. Bias-only calls keep FA4's own causal handling and tiles.
 - mask: mask_mod reads the mask (as uint8) with the causal rule folded in (FA4 turns its causal
   off when given a mask_mod), and the tile lists make both passes skip empty tiles and skip the
   mask_mod on full ones.

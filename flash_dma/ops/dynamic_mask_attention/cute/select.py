@@ -20,6 +20,9 @@ from .masked import feature_gap as masked_feature_gap
 from .plain import plain_feature_gap
 
 BACKEND_ENV = "FLASH_DMA_BACKEND"
+# Head dims where auto sends a bias per key ([., ., 1, Sk]) to CuTe: measured there, forward
+# 1.15x the Triton backend at B2 H16 S4096 D128 (bench/results/cute-bias-forward-NVIDIA-H200-20261126.txt)
+CUTE_PER_KEY_BIAS_HEAD_DIMS = (128,)
 BACKEND_CHOICES = ("auto", "triton", "cute")
 
 __all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "CuteBackendUnavailable", "requested_backend",
@@ -38,10 +41,11 @@ def requested_backend(environ=None) -> str:
 
 def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
                    varlen: bool, requested: str | None = None,
-                   key_wise_mask: bool = False) -> tuple[str, str]:
+                   key_wise_mask: bool = False, bias_per_key: bool = False) -> tuple[str, str]:
     """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
     FLASH_DMA_BACKEND. The CuTe backend serves plain attention (fixed length and varlen) and
-    fixed-length attention with a mask and/or bias (cute/masked.py says which)."""
+    fixed-length attention with a mask and/or bias (cute/masked.py says which). bias_per_key:
+    the bias is broadcast along queries ([B|1, H|Hk|1, 1, Sk], Doge's dynamic-mask bias)."""
     if requested is None:
         requested = requested_backend()
     elif requested not in BACKEND_CHOICES:
@@ -62,9 +66,12 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     if has_mask:  # bench/results/cute-masked-NVIDIA-H200-20261126.txt: 1/8 tiles, fwd+bwd
         return "triton", ("auto: masks run on Triton (the CuTe mask path measured slower: forward "
                           "0.36x, forward + backward 0.78x); FLASH_DMA_BACKEND=cute forces it")
-    if has_bias:  # the same file: dense bias forward
-        return "triton", ("auto: biases run on Triton (the CuTe bias forward measured 1.6x slower: "
-                          "its hooks load the bias element by element); FLASH_DMA_BACKEND=cute forces it")
+    if has_bias and not (bias_per_key and head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS):
+        # bench/results/cute-bias-forward-NVIDIA-H200-20261126.txt: a [B,H,S,S] bias forward
+        # on CuTe (cute/forward_bias.py) 0.92x Triton at D128, 0.70x at D64
+        return "triton", ("auto: this bias runs on Triton (the CuTe forward leads only with a bias "
+                          f"per key at head dim {', '.join(map(str, CUTE_PER_KEY_BIAS_HEAD_DIMS))}); "
+                          "FLASH_DMA_BACKEND=cute forces it")
     status = availability.cute_backend_status(device)
     if status is not None:
         return "triton", f"auto: {status}"

@@ -67,8 +67,9 @@ def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(s
     """Measured on the H200: the CuTe mask and bias paths are slower than Triton's (auto keeps
     Triton; forcing CuTe takes them, the bias path unless turned off)."""
     status(None)
-    for change, words in ((dict(has_mask=True), "masks run on Triton"), (dict(has_bias=True), "biases run on Triton"),
-                          (dict(has_mask=True, has_bias=True), "masks run on Triton")):
+    for change, words in ((dict(has_mask=True), "masks run on Triton"), (dict(has_bias=True), "bias runs on Triton"),
+                          (dict(has_mask=True, has_bias=True), "masks run on Triton"),
+                          (dict(has_mask=True, has_bias=True, bias_per_key=True), "masks run on Triton")):
         backend, reason = choose_backend("cuda", requested="auto",
                                          **{**PLAIN, "head_dim": head_dim, **change})
         assert backend == "triton" and words in reason, reason
@@ -76,6 +77,21 @@ def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(s
     with config.overrides(attention_cute_bias=False):
         backend, reason = choose_backend("cuda", requested="cute", **{**PLAIN, "head_dim": head_dim, "has_bias": True})
         assert backend == "triton" and "attention_cute_bias" in reason, reason
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_auto_sends_a_bias_per_key_to_cute_where_it_measured_faster(status, head_dim):
+    """A bias broadcast along queries ([B, H, 1, Sk], Doge's) takes the CuTe forward under auto
+    at the head dims where that forward measured ahead of Triton (select.CUTE_PER_KEY_BIAS_HEAD_DIMS);
+    elsewhere Triton, saying why."""
+    from flash_dma.ops.dynamic_mask_attention.cute.select import CUTE_PER_KEY_BIAS_HEAD_DIMS
+    status(None)
+    backend, reason = choose_backend("cuda", requested="auto",
+                                     **{**PLAIN, "head_dim": head_dim, "has_bias": True, "bias_per_key": True})
+    if head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS:
+        assert backend == "cute" and "biased" in reason, reason
+    else:
+        assert backend == "triton" and "bias per key at head dim" in reason, reason
 
 
 def test_auto_falls_back_with_the_status_as_reason(status):
