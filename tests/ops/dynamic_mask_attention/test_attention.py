@@ -550,6 +550,24 @@ def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(2, 4, 300, 257), (1, 4, 300, 257), (2, 2, 300, 257), (1, 1, 300, 257)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_gpu_cute_bias_backward_direct(on_cute, bias_shape, head_dim, with_mask):
+    """The CuTe backward with the bias re-added and dbias written at the score fragments'
+    coordinates (cute/backward_bias.py): dq, dk, dv and dbias (stored where each entry has one
+    writer, fp32 atomics where batches or heads share it) against the fp64 reference; odd key
+    length, GQA, causal, with and without a mask."""
+    dtype = torch.bfloat16
+    B, Sq, Sk, H, Hk = 2, 300, 257, 4, 2
+    q, k, v, mask, bias = make_inputs(B, Sq, Sk, H, Hk, head_dim, dtype,
+                                      (B, 1, Sq, Sk) if with_mask else None, bias_shape)
+    with config.overrides(attention_cute_direct_bias_backward=True):
+        check_against_reference(q, k, v, mask, bias, True, dtype)
+    assert on_cute == [("fwd", "cute"), ("bwd", "cute")]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", list(BROADCASTS))

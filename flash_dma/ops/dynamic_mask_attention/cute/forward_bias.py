@@ -30,7 +30,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flash_attn.cute import interface as fa_interface
-from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.utils import AuxData
 
@@ -150,10 +149,7 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
             group = self.qhead_per_kvhead
             head = head_idx * group + row % group
             row = row // group
-        q = cutlass.min(row, last_q)
-        if const_expr(grouped):
-            return fa_utils.elem_pointer(bias, (batch_idx, head // bias.shape[2], 0, q, k))
-        return fa_utils.elem_pointer(bias, (batch_idx, head, q, k))
+        return hooks.pair_pointer(bias, grouped, batch_idx, head, cutlass.min(row, last_q), k)
 
     @cute.jit
     def _add_bias_elements(self, bias, grouped: cutlass.Constexpr, step: cutlass.Constexpr,
@@ -179,19 +175,24 @@ _SWAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def direct_bias_kernel():
-    """FA4's interface builds DirectBiasForwardSm90 instead of its own SM90 forward class while
-    this is open (it looks the class up by name at each call). The lock serialises our own swaps;
-    another thread's FA4 call meeting the swap gets FA4's own method (the class defers to it for
-    any score_mod not marked here)."""
+def fa4_class_swapped(name: str, replacement):
+    """FA4's interface builds `replacement` instead of its class `name` while this is open (it
+    looks its kernel classes up by name at each call). The lock serialises our own swaps;
+    another thread's FA4 call meeting a swap gets FA4's own methods (our classes defer to them
+    for any hook not marked as ours)."""
     with _SWAP_LOCK:
-        original = fa_interface.FlashAttentionForwardSm90
-        fa_interface.FlashAttentionForwardSm90 = DirectBiasForwardSm90
+        original = getattr(fa_interface, name)
+        setattr(fa_interface, name, replacement)
         try:
             yield
         finally:
-            fa_interface.FlashAttentionForwardSm90 = original
+            setattr(fa_interface, name, original)
 
 
-__all__ = ["direct_bias_score_mod", "DirectBiasForwardSm90", "direct_bias_kernel",
+def direct_bias_kernel():
+    """The swap for a direct-bias forward."""
+    return fa4_class_swapped("FlashAttentionForwardSm90", DirectBiasForwardSm90)
+
+
+__all__ = ["direct_bias_score_mod", "DirectBiasForwardSm90", "direct_bias_kernel", "fa4_class_swapped",
            "mark_keys_contiguous", "keys_contiguous"]

@@ -72,7 +72,8 @@ def _unfold(h, q, fold: cutlass.Constexpr, seqlen_info):
     return h, q
 
 
-def _pair_pointer(t, grouped: cutlass.Constexpr, b, h, q, kv):
+def pair_pointer(t, grouped: cutlass.Constexpr, b, h, q, kv):
+    """The address of element (b, h, q, kv) of a 4-d or 5-d grouped (h // G) aux view."""
     if cutlass.const_expr(grouped):
         return fa_utils.elem_pointer(t, (b, h // t.shape[2], 0, q, kv))
     return fa_utils.elem_pointer(t, (b, h, q, kv))
@@ -112,7 +113,7 @@ def bias_score_mod_bwd(dbias_slot: int, grouped: bool, atomic: bool, fold: int):
             head, q = _unfold(h[0], q_idx[0], fold, seqlen_info)
             if cutlass.const_expr(atomic):
                 fa_utils.atomic_add_fp32(
-                    g, _pair_pointer(dbias, grouped, b[0], head, q, kv_idx[0]))
+                    g, pair_pointer(dbias, grouped, b[0], head, q, kv_idx[0]))
             else:
                 cell = cute.make_rmem_tensor(1, Float32)
                 cell[0] = g

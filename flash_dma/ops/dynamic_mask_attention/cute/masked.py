@@ -54,6 +54,10 @@ declare_choice("attention_cute_bias", True, (False, True),
 declare_choice("attention_cute_direct_bias", True, (False, True),
                "the CuTe forward adds the bias from the score fragment's coordinates "
                "(cute/forward_bias.py) instead of through FA4's per-element score_mod hook")
+declare_choice("attention_cute_direct_bias_backward", False, (False, True),
+               "the CuTe backward re-adds the bias and writes dbias at the score fragments' "
+               "coordinates (cute/backward_bias.py) instead of through FA4's per-element hooks "
+               "(off: not yet measured on a GPU)")
 declare_choice("attention_cute_bias_prefetch", "L2", ("none", "L2", "L1"),
                "the direct-bias forward prefetches the next key tile's bias lines to this cache level")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
@@ -255,8 +259,19 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
     aux, grouped = _aux(shape, mask, bias, buffer)
     score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True,
                                                 group_size=num_heads // k.shape[2])
+    kernel = contextlib.nullcontext()
+    if bias is not None and choice("attention_cute_direct_bias_backward").value:
+        from . import backward_bias, forward_bias
+        slots = (BIAS_SLOT, DBIAS_SLOT) if buffer is not None else (BIAS_SLOT,)
+        for slot in slots:
+            if forward_bias.keys_contiguous(aux[slot]):
+                aux[slot] = forward_bias.mark_keys_contiguous(aux[slot])
+        score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], "none", False)
+        score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
+            DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
+        kernel = backward_bias.direct_bias_backward_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=True)
-    with device_guard(q.device):
+    with device_guard(q.device), kernel:
         dq, dk, dv = plain._fa4()._flash_attn_bwd(
             q, k, v, out, dout, lse.contiguous(), softmax_scale=softmax_scale,
             causal=causal and mask is None, score_mod=score_mod, score_mod_bwd=score_mod_bwd,

@@ -1,20 +1,22 @@
-"""The CuTe backend's bias forward two ways, beside the Triton backend and FlexAttention, bf16,
-one process:
+"""The CuTe backend's bias paths (forward and backward) beside the Triton backend and
+FlexAttention, bf16, one process:
 
-    python bench/cute_bias_forward.py [--cases "D128 full,D128 key"] [--budget-s 480]
+    python bench/cute_bias.py [--cases "D128 full,D128 key"] [--variants ...] [--budget-s 480]
 
 - cute-direct: FA4's SM90 forward with the bias added from the score fragment's coordinates
   (cute/forward_bias.py; declared choice attention_cute_direct_bias, the default), with its
   defaults (paired loads, next tile prefetched to L2); direct-no-pairs, direct-no-prefetch and
   direct-L1 change one of them;
+- direct-backward: cute-direct plus the backward's bias and dbias at the score fragments'
+  coordinates (cute/backward_bias.py; declared choice attention_cute_direct_bias_backward);
 - cute-hook: the same forward through FA4's per-element score_mod hook (hooks.py);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
 - cute-plain: the same problem without the bias (what the bias costs).
 The forward is timed alone (do_bench median), the backward as torch.autograd.grad of a kept
-graph (its path is the hooks' on CuTe either way). Each variant's output and gradients are
+graph (the hooks' path on CuTe unless a variant says otherwise). Each variant's output and gradients are
 checked against the fp64 reference on batch 0, heads 0-1 (bound 1e-2). Cases: B2 S4096 at D64
 and D128 (H16) and D256 (H8), bias [B,H,S,S] ("full", with and without causal) and [B,H,1,S]
-("key"). Writes bench/results/cute-bias-forward-<device>-<date>.txt.
+("key"). Writes bench/results/cute-bias-<device>-<date>.txt.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ VARIANTS = {
     "direct-no-pairs": ("cute", dict(DIRECT, attention_cute_bias_pairs=False)),
     "direct-no-prefetch": ("cute", dict(DIRECT, attention_cute_bias_prefetch="none")),
     "direct-L1": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L1")),
+    "direct-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=True)),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False)),
     "triton": ("triton", {}),
     "flex": ("flex", {}),
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
         return 2
     deadline = time.monotonic() + args.budget_s
     env = environment()
-    lines = [f"== CuTe bias forward: direct vs hook, beside Triton and Flex, bf16 B2 S4096 == "
+    lines = [f"== CuTe bias paths beside Triton and Flex, bf16 B2 S4096 == "
              f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | {env.get('date')}",
              f"{'case':<18} {'variant':<12} {'fwd ms':>8} {'bwd ms':>8}  backends / worst rel. error"]
     print(lines[0], flush=True)
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
     lines += ["  " + p for p in problems]
     os.makedirs(args.out, exist_ok=True)
     device = str(env.get("device", "gpu")).replace(" ", "-")
-    path = os.path.join(args.out, f"cute-bias-forward-{device}-{datetime.date.today():%Y%m%d}.txt")
+    path = os.path.join(args.out, f"cute-bias-{device}-{datetime.date.today():%Y%m%d}.txt")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-1 - len(problems):]))

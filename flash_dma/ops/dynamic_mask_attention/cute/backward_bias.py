@@ -1,0 +1,126 @@
+"""The backward's bias and dbias on SM90, read from and written to FA4's score fragments directly.
+
+The backward counterpart of forward_bias.py: FA4's SM90 backward class with its two score hooks'
+methods replaced. `apply_score_mod` re-adds the bias to the recomputed scores from each thread's
+fragment coordinates (clamped into the problem, like the forward); `apply_score_mod_bwd` writes
+dS, the gradient of the scaled score, into dbias at those coordinates, only where they lie inside
+the problem: a plain store in the bias's dtype where each entry has one writer ("store"), an fp32
+atomic add where batches or query heads share it ("atomic", zeros skipped), nothing without dbias
+("none"). The coordinates come from the MMA partition of FA4's score tile, (key, query) when the
+backward computes S transposed (SdP_swapAB), so no index needs FA4's GQA decoding (hooks.py's
+`_unfold` is for the generic path only).
+
+Declared choice attention_cute_direct_bias_backward (off until measured on a GPU).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+from flash_attn.cute.utils import AuxData
+
+from . import hooks
+from .forward_bias import fa4_class_swapped
+
+with open(__file__, "rb") as _source:
+    _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
+
+DBIAS_MODES = ("none", "store", "atomic")
+
+
+@functools.lru_cache(maxsize=None)
+def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str):
+    """The score_mod_bwd FA4 is given beside a direct bias in the backward (never called: the
+    class below replaces the method that would); marked with the dbias slot, grouping and mode."""
+    if mode not in DBIAS_MODES:
+        raise ValueError(f"mode: expected one of {DBIAS_MODES}, got {mode!r}")
+
+    @cute.jit
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad
+
+    score_mod_bwd.direct_dbias = (dbias_slot, grouped, mode)
+    score_mod_bwd.__cute_hash__ = hashlib.sha256(
+        f"{_SOURCE_DIGEST}:direct-dbias:{dbias_slot}:{grouped}:{mode}".encode()).hexdigest()
+    return score_mod_bwd
+
+
+class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
+    """FA4's SM90 backward with the bias and dbias at the score fragments' own coordinates."""
+
+    @cute.jit
+    def _score_coords(self, thr_mma_SdP, m_block, n_block):
+        """The score fragment's coordinates, (key, query) under SdP_swapAB, else (query, key)."""
+        if const_expr(self.SdP_swapAB):
+            coords = cute.make_identity_tensor((self.tile_n, self.tile_m))
+            coords = cute.domain_offset((n_block * self.tile_n, m_block * self.tile_m), coords)
+        else:
+            coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            coords = cute.domain_offset((m_block * self.tile_m, n_block * self.tile_n), coords)
+        return thr_mma_SdP.partition_C(coords)
+
+    def _query_key(self, coord):
+        if const_expr(self.SdP_swapAB):
+            return coord[1], coord[0]
+        return coord[0], coord[1]
+
+    @cute.jit
+    def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
+                        softmax_scale, seqlen_info, aux_data: AuxData = AuxData(),
+                        fastdiv_mods=(None, None)):
+        if const_expr(getattr(self.score_mod, "direct_bias", None) is None):
+            FlashAttentionBackwardSm90.apply_score_mod(
+                self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
+                seqlen_info, aux_data, fastdiv_mods)
+        else:
+            bias_slot, grouped = self.score_mod.direct_bias[:2]
+            bias = aux_data.tensors[bias_slot]
+            coords = self._score_coords(thr_mma_SdP, m_block, n_block)
+            last_q = seqlen_info.seqlen_q - 1
+            last_k = seqlen_info.seqlen_k - 1
+            for i in cutlass.range_constexpr(cute.size(acc_S.shape)):
+                q, k = self._query_key(coords[i])
+                at = hooks.pair_pointer(bias, grouped, batch_idx, head_idx, cutlass.min(q, last_q),
+                                        cutlass.min(k, last_k))
+                value = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)
+                acc_S[i] = acc_S[i] * softmax_scale + value[0]
+
+    @cute.jit
+    def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx,
+                            m_block, n_block, softmax_scale, seqlen_info,
+                            aux_data: AuxData = AuxData(), fastdiv_mods=(None, None)):
+        if const_expr(getattr(self.score_mod_bwd, "direct_dbias", None) is None):
+            FlashAttentionBackwardSm90.apply_score_mod_bwd(
+                self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
+                n_block, softmax_scale, seqlen_info, aux_data, fastdiv_mods)
+        else:
+            dbias_slot, grouped, mode = self.score_mod_bwd.direct_dbias
+            if const_expr(mode != "none"):
+                dbias = aux_data.tensors[dbias_slot]
+                coords = self._score_coords(thr_mma_SdP, m_block, n_block)
+                for i in cutlass.range_constexpr(cute.size(grad_tensor.shape)):
+                    q, k = self._query_key(coords[i])
+                    if q < seqlen_info.seqlen_q and k < seqlen_info.seqlen_k:
+                        at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
+                        g = grad_tensor[i]
+                        if const_expr(mode == "atomic"):
+                            if g != Float32(0.0):
+                                fa_utils.atomic_add_fp32(g, at)
+                        else:
+                            cell = cute.make_rmem_tensor(1, Float32)
+                            cell[0] = g
+                            cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+
+
+def direct_bias_backward_kernel():
+    """The swap for a direct-bias backward."""
+    return fa4_class_swapped("FlashAttentionBackwardSm90", DirectBiasBackwardSm90)
+
+
+__all__ = ["direct_dbias_score_mod_bwd", "DirectBiasBackwardSm90", "direct_bias_backward_kernel"]
