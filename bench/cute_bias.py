@@ -5,8 +5,8 @@ FlexAttention, bf16, one process:
 
 - cute-direct: FA4's SM90 forward with the bias added from the score fragment's coordinates
   (cute/forward_bias.py; declared choice attention_cute_direct_bias, the default), with its
-  defaults (paired loads, next tile prefetched to L2); direct-no-pairs, direct-no-prefetch and
-  direct-L1 change one of them;
+  defaults (paired loads, next tile prefetched to L2); direct-no-pairs, direct-no-prefetch,
+  direct-L1 and direct-registers (the next tile's values read into registers) change one of them;
 - direct-backward: cute-direct plus the backward's bias and dbias at the score fragments'
   coordinates (cute/backward_bias.py; declared choice attention_cute_direct_bias_backward);
 - cute-hook: the same forward through FA4's per-element score_mod hook (hooks.py);
@@ -51,6 +51,7 @@ VARIANTS = {
     "direct-no-pairs": ("cute", dict(DIRECT, attention_cute_bias_pairs=False)),
     "direct-no-prefetch": ("cute", dict(DIRECT, attention_cute_bias_prefetch="none")),
     "direct-L1": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L1")),
+    "direct-registers": ("cute", dict(DIRECT, attention_cute_bias_prefetch="registers")),
     "direct-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=True)),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False)),
     "triton": ("triton", {}),

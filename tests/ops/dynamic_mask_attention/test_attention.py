@@ -532,21 +532,26 @@ def _expected_cute_backward(mask, bias, B, H, Sq, Sk, deterministic=False):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_shape", [(2, 4, 300, 257), (1, 2, 300, 257), (2, 4, 1, 257), (2, 1, 300, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim):
-    """The CuTe forward's bias read from the score fragment (cute/forward_bias.py) and through
-    FA4's score_mod hook: each against the fp64 reference (odd key length, GQA, causal, every
-    broadcast kind of the bias's key stride: 1, 0 and a broadcast along keys), and the two
-    outputs against each other."""
+@pytest.mark.parametrize("seqlen_k", [257, 1030])
+def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim, seqlen_k):
+    """The CuTe forward's bias read from the score fragment (cute/forward_bias.py: each prefetch
+    form; an even key count takes the paired loads) and through FA4's score_mod hook: each
+    against the fp64 reference (GQA, causal, the bias's key stride 1, 0 and a broadcast along
+    keys, several key tiles), and the direct outputs against the hook's."""
     dtype = torch.bfloat16
-    q, k, v, _, bias = make_inputs(2, 300, 257, 4, 2, head_dim, dtype, None, bias_shape)
+    shape = bias_shape[:3] + ((seqlen_k,) if bias_shape[3] != 1 else (1,))
+    q, k, v, _, bias = make_inputs(2, 300, seqlen_k, 4, 2, head_dim, dtype, None, shape)
     outs = {}
-    for direct in (True, False):
-        with config.overrides(attention_cute_direct_bias=direct):
+    forms = [dict(attention_cute_direct_bias=False)] + [
+        dict(attention_cute_direct_bias=True, attention_cute_bias_prefetch=p) for p in ("L2", "none", "registers")]
+    for i, form in enumerate(forms):
+        with config.overrides(**form):
             check_against_reference(q, k, v, None, bias, True, dtype, grad=False)
-            outs[direct] = flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
-    assert [p for p in on_cute if p[0] == "fwd"] == [("fwd", "cute")] * 4
-    diff = (outs[True].double() - outs[False].double()).norm() / outs[False].double().norm()
-    assert diff < 2e-3, diff
+            outs[i] = flash_dma_func(q, k, v, attn_bias=bias, is_causal=True)
+    assert [p for p in on_cute if p[0] == "fwd"] == [("fwd", "cute")] * (2 * len(forms))
+    for i in range(1, len(forms)):
+        diff = (outs[i].double() - outs[0].double()).norm() / outs[0].double().norm()
+        assert diff < 2e-3, (forms[i], diff)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,10 @@ with open(__file__, "rb") as _source:
     _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
 
 
-PREFETCH_LEVELS = ("none", "L2", "L1")
+# "registers": the next key tile's bias read into registers at the end of this tile's bias step
+# (with paired loads only), its latency hidden behind that tile's QK^T; the cache levels issue
+# prefetch.global for its lines instead.
+PREFETCH_LEVELS = ("none", "L2", "L1", "registers")
 
 
 @dsl_user_op
@@ -50,12 +53,14 @@ def _prefetch_line(pointer: cute.Pointer, level: cutlass.Constexpr, *, loc=None,
 
 
 @functools.lru_cache(maxsize=None)
-def direct_bias_score_mod(bias_slot: int, grouped: bool, prefetch: str = "L2", pairs: bool = False):
+def direct_bias_score_mod(bias_slot: int, grouped: bool, prefetch: str = "L2", pairs: bool = False,
+                          bias_dtype: str = "BFloat16"):
     """The score_mod FA4 is given for a direct-bias forward. FA4 never calls it (the class below
     replaces the method that would); FA4 reads from it that a score_mod exists (so the scale is
     applied before it and the softmax takes log2(e) alone) and keys its compile cache on its
-    __cute_hash__. The bias slot, grouping, prefetch level (PREFETCH_LEVELS) and whether paired
-    loads are compiled in travel as an attribute for the kernel's trace."""
+    __cute_hash__. The bias slot, grouping, prefetch level (PREFETCH_LEVELS), whether paired
+    loads are compiled in and the bias's element type (a cutlass type name: the register
+    prefetch holds raw values) travel as an attribute for the kernel's trace."""
     fn = hooks.bias_score_mod(bias_slot, grouped, 1)
 
     @cute.jit
@@ -64,9 +69,9 @@ def direct_bias_score_mod(bias_slot: int, grouped: bool, prefetch: str = "L2", p
 
     if prefetch not in PREFETCH_LEVELS:
         raise ValueError(f"prefetch: expected one of {PREFETCH_LEVELS}, got {prefetch!r}")
-    score_mod.direct_bias = (bias_slot, grouped, prefetch, pairs)
+    score_mod.direct_bias = (bias_slot, grouped, prefetch, pairs, getattr(cutlass, bias_dtype))
     score_mod.__cute_hash__ = hashlib.sha256(
-        f"{_SOURCE_DIGEST}:direct:{bias_slot}:{grouped}:{prefetch}:{pairs}".encode()).hexdigest()
+        f"{_SOURCE_DIGEST}:direct:{bias_slot}:{grouped}:{prefetch}:{pairs}:{bias_dtype}".encode()).hexdigest()
     return score_mod
 
 
@@ -97,9 +102,21 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
                            softmax_scale, seqlen, aux_data)
 
     @cute.jit
+    def mma_init(self):
+        FlashAttentionForwardSm90.mma_init(self)
+        direct = getattr(self.score_mod, "direct_bias", None)
+        if const_expr(direct is not None and direct[2] == "registers" and direct[3]):
+            # before the tile loops, so the buffer lives across their iterations: each thread's
+            # share of one score tile, and which (key tile, query tile, head, batch) it holds
+            per_thread = self.tile_m * self.tile_n // (self.num_wg_mma * self.num_threads_per_warp_group)
+            self._next_bias = cute.make_rmem_tensor(per_thread, direct[4])
+            self._next_bias_tile = cute.make_rmem_tensor(4, cutlass.Int32)
+            self._next_bias_tile.fill(-1)
+
+    @cute.jit
     def _add_bias(self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block, softmax_scale,
                   seqlen, aux_data: AuxData):
-        bias_slot, grouped, prefetch, pairs = self.score_mod.direct_bias
+        bias_slot, grouped, prefetch, pairs, _ = self.score_mod.direct_bias
         bias = aux_data.tensors[bias_slot]
         coords = cute.make_identity_tensor((self.tile_m, self.tile_n))
         coords = cute.domain_offset((m_block * self.tile_m, n_block * self.tile_n), coords)
@@ -119,15 +136,20 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
             alignment = 2 * bias.element_type.width // 8
             even = even & (bias.iterator.toint() % alignment == 0)
             if even:
-                self._add_bias_elements(bias, grouped, 2, frag_coords, acc_S, batch_idx, head_idx,
-                                        softmax_scale, last_q, last_k)
+                if const_expr(prefetch == "registers"):
+                    self._add_bias_from_registers(bias, grouped, frag_coords, acc_S, batch_idx,
+                                                  head_idx, m_block, n_block, softmax_scale,
+                                                  last_q, last_k)
+                else:
+                    self._add_bias_elements(bias, grouped, 2, frag_coords, acc_S, batch_idx,
+                                            head_idx, softmax_scale, last_q, last_k)
             else:
                 self._add_bias_elements(bias, grouped, 1, frag_coords, acc_S, batch_idx, head_idx,
                                         softmax_scale, last_q, last_k)
         else:
             self._add_bias_elements(bias, grouped, 1, frag_coords, acc_S, batch_idx, head_idx,
                                     softmax_scale, last_q, last_k)
-        if const_expr(prefetch != "none"):
+        if const_expr(prefetch in ("L2", "L1")):
             # The next tile's bias lines (FA4 walks key tiles downwards), so that its loads find
             # them in cache instead of waiting on DRAM after that tile's QK^T. A few fragment
             # elements per thread: the first, middle and last columns of both of its rows (in
@@ -138,6 +160,48 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
                 k = cutlass.max(cutlass.min(frag_coords[j][1] - self.tile_n, last_k), 0)
                 _prefetch_line(self._bias_at(bias, grouped, batch_idx, head_idx, frag_coords[j][0],
                                              k, last_q), prefetch)
+
+    @cute.jit
+    def _add_bias_from_registers(self, bias, grouped: cutlass.Constexpr, frag_coords, acc_S,
+                                 batch_idx, head_idx, m_block, n_block, softmax_scale, last_q,
+                                 last_k):
+        """Paired loads, this tile's values taken from the registers the previous bias step
+        filled when it was this tile's turn (FA4 walks key tiles downwards by one), else read
+        now; then the next key tile's values read into those registers."""
+        tile = self._next_bias_tile
+        held = ((tile[0] == n_block) & (tile[1] == m_block) & (tile[2] == head_idx)
+                & (tile[3] == batch_idx))
+        n = cute.size(acc_S.shape)
+        if held:
+            values = self._next_bias.load().to(Float32)
+            for i in cutlass.range_constexpr(n):
+                acc_S[i] = acc_S[i] * softmax_scale + values[i]
+        else:
+            self._add_bias_elements(bias, grouped, 2, frag_coords, acc_S, batch_idx, head_idx,
+                                    softmax_scale, last_q, last_k)
+        for i in cutlass.range_constexpr(0, n, 2):
+            k = cutlass.max(cutlass.min(frag_coords[i][1] - self.tile_n, last_k - 1), 0)
+            values = self._pair_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k, last_q,
+                                   raw=True)
+            self._next_bias[i] = values[0]
+            self._next_bias[i + 1] = values[1]
+        tile[0] = n_block - 1
+        tile[1] = m_block
+        tile[2] = head_idx
+        tile[3] = batch_idx
+
+    @cute.jit
+    def _pair_at(self, bias, grouped: cutlass.Constexpr, batch_idx, head_idx, row, k, last_q,
+                 raw: cutlass.Constexpr = False):
+        """The two neighbouring bias values at (row, k), k even (one aligned load), as fp32 (in
+        the bias's own type with raw)."""
+        at = self._bias_at(bias, grouped, batch_idx, head_idx, row, k, last_q)
+        aligned = cute.make_ptr(bias.element_type, at.toint(), cute.AddressSpace.gmem,
+                                assumed_align=2 * bias.element_type.width // 8)
+        values = cute.make_tensor(aligned, cute.make_layout(2)).load()
+        if const_expr(raw):
+            return values
+        return values.to(Float32)
 
     @cute.jit
     def _bias_at(self, bias, grouped: cutlass.Constexpr, batch_idx, head_idx, row, k, last_q):
@@ -159,14 +223,13 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
         layout), read as one aligned load (the caller checked the alignment)."""
         for i in cutlass.range_constexpr(0, cute.size(acc_S.shape), step):
             k = cutlass.min(frag_coords[i][1], last_k + 1 - step)
-            at = self._bias_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k, last_q)
             if const_expr(step == 2):
-                aligned = cute.make_ptr(bias.element_type, at.toint(), cute.AddressSpace.gmem,
-                                        assumed_align=2 * bias.element_type.width // 8)
-                values = cute.make_tensor(aligned, cute.make_layout(2)).load().to(Float32)
+                values = self._pair_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k,
+                                       last_q)
                 acc_S[i] = acc_S[i] * softmax_scale + values[0]
                 acc_S[i + 1] = acc_S[i + 1] * softmax_scale + values[1]
             else:
+                at = self._bias_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k, last_q)
                 value = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)
                 acc_S[i] = acc_S[i] * softmax_scale + value[0]
 

@@ -36,6 +36,9 @@ from . import block_sparse, plain
 
 MASKED_HEAD_DIMS = (64, 128, 256)
 
+# The bias's element type as forward_bias.py names it (a cutlass type)
+CUTLASS_TYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
+
 # Fixed aux slots: the hooks index FA4's aux tensor list by these.
 BIAS_SLOT, MASK_SLOT, DBIAS_SLOT = 0, 1, 2
 
@@ -58,8 +61,9 @@ declare_choice("attention_cute_direct_bias_backward", False, (False, True),
                "the CuTe backward re-adds the bias and writes dbias at the score fragments' "
                "coordinates (cute/backward_bias.py) instead of through FA4's per-element hooks "
                "(off: not yet measured on a GPU)")
-declare_choice("attention_cute_bias_prefetch", "L2", ("none", "L2", "L1"),
-               "the direct-bias forward prefetches the next key tile's bias lines to this cache level")
+declare_choice("attention_cute_bias_prefetch", "L2", ("none", "L2", "L1", "registers"),
+               "the direct-bias forward prefetches the next key tile's bias: its lines to this "
+               "cache level, or (\"registers\", with paired loads) its values into registers")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -217,7 +221,8 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
             aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(view)
         pairs = choice("attention_cute_bias_pairs").value and forward_bias.keys_contiguous(view)
         score_mod = forward_bias.direct_bias_score_mod(
-            BIAS_SLOT, grouped[BIAS_SLOT], choice("attention_cute_bias_prefetch").value, pairs)
+            BIAS_SLOT, grouped[BIAS_SLOT], choice("attention_cute_bias_prefetch").value, pairs,
+            CUTLASS_TYPE_NAMES[bias.dtype])
         kernel = forward_bias.direct_bias_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=False)
     with device_guard(q.device), kernel:
@@ -266,7 +271,8 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         for slot in slots:
             if forward_bias.keys_contiguous(aux[slot]):
                 aux[slot] = forward_bias.mark_keys_contiguous(aux[slot])
-        score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], "none", False)
+        score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], "none", False,
+                                                       CUTLASS_TYPE_NAMES[bias.dtype])
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
             DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
         kernel = backward_bias.direct_bias_backward_kernel()
