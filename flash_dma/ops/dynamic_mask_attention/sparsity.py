@@ -14,7 +14,7 @@ Two list kinds (see triton/common.py for how they are walked):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,9 @@ class KeyWalk:
     count: torch.Tensor
     index: torch.Tensor
     head_div: int  # query head h reads list head h // head_div
+    # other layouts of these lists (FA4's, cute/block_sparse.py), made once per walk: a walk is
+    # remembered per mask and never changes
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def strides(self) -> tuple[int, ...]:

@@ -63,24 +63,43 @@ def _shared_stride0(t: torch.Tensor, shared: tuple[bool, bool], full: tuple[int,
 def block_lists(mask: torch.Tensor, *, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int,
                 is_causal: bool, block_kv: int, key_major: bool):
     """BlockSparseTensorsTorch for a [B|1, H|Hk|1, Sq|1, Sk|1] bool mask (fixed lengths):
-    query-major (forward) or key-major (backward), block size (128, block_kv)."""
-    BlockSparseTensorsTorch = _fa4_block_types()[0]
-    lists = tile_lists(mask, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                       is_causal=is_causal, block_kv=block_kv, key_major=key_major)
-    return BlockSparseTensorsTorch(**lists, block_size=(SPARSE_BLOCK_Q, block_kv))
+    query-major (forward) or key-major (backward), block size (128, block_kv). Remembered with
+    the mask's walk (sparsity.cached_key_walk), so a mask used again costs no launch here."""
+    walk = _walk(mask, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                 is_causal=is_causal, block_kv=block_kv, key_major=key_major)
+    key = ("fa4", batch, num_heads, seqlen_q, seqlen_k, block_kv, key_major)
+    lists = walk.derived.get(key)
+    if lists is None:  # once per mask (and shape): later calls launch nothing here
+        BlockSparseTensorsTorch = _fa4_block_types()[0]
+        lists = BlockSparseTensorsTorch(
+            **_fa4_layout(walk, mask.device, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q,
+                          seqlen_k=seqlen_k, block_kv=block_kv, key_major=key_major),
+            block_size=(SPARSE_BLOCK_Q, block_kv))
+        walk.derived[key] = lists
+    return lists
+
+
+def _walk(mask, *, num_heads, seqlen_q, seqlen_k, is_causal, block_kv, key_major):
+    return sparsity.cached_key_walk(
+        mask, sparsity.KV_BLOCK_LIST, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        is_causal=is_causal, cu_seqlens_q=None, cu_seqlens_k=None, block_m=SPARSE_BLOCK_Q,
+        block_n=block_kv, key_major=key_major, device=mask.device)
 
 
 def tile_lists(mask: torch.Tensor, *, batch: int, num_heads: int, seqlen_q: int, seqlen_k: int,
                is_causal: bool, block_kv: int, key_major: bool) -> dict[str, torch.Tensor]:
     """The four tensors of `block_lists` (FA4's field names), in torch alone."""
-    walk = sparsity.cached_key_walk(
-        mask, sparsity.KV_BLOCK_LIST, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        is_causal=is_causal, cu_seqlens_q=None, cu_seqlens_k=None, block_m=SPARSE_BLOCK_Q,
-        block_n=block_kv, key_major=key_major, device=mask.device)
+    walk = _walk(mask, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                 is_causal=is_causal, block_kv=block_kv, key_major=key_major)
+    return _fa4_layout(walk, mask.device, batch=batch, num_heads=num_heads, seqlen_q=seqlen_q,
+                       seqlen_k=seqlen_k, block_kv=block_kv, key_major=key_major)
+
+
+def _fa4_layout(walk, device, *, batch, num_heads, seqlen_q, seqlen_k, block_kv, key_major):
     count, index = walk.count, walk.index  # [Bl, Hl, rows|1, 2], [Bl, Hl, rows|1, 2, n]
     list_heads = count.shape[1]
     if list_heads not in (1, num_heads):  # one list per kv head: FA4 takes H or 1 heads
-        heads = torch.arange(num_heads, device=mask.device) // (num_heads // list_heads)
+        heads = torch.arange(num_heads, device=device) // (num_heads // list_heads)
         count, index = count.index_select(1, heads), index.index_select(1, heads)
     rows = ceil_div(seqlen_k, block_kv) if key_major else ceil_div(seqlen_q, SPARSE_BLOCK_Q)
     # one list shared by every query block (a key-wise mask): FA4 wants a row per block

@@ -75,3 +75,27 @@ def test_tile_lists_match_brute_force(case, causal, key_major):
         assert set(partial) <= set(got_partial), (b, h, row)
         if not causal:
             assert got_partial == partial, (b, h, row)
+
+
+def test_block_lists_remembered_per_mask_until_it_changes(monkeypatch):
+    """block_lists lays the walk out for FA4 once per mask and shape: the same object again,
+    no new lists, until the mask changes in place (its walk is planned again)."""
+    class Lists:  # stands in for FA4's BlockSparseTensorsTorch (no CuTe stack needed)
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+    monkeypatch.setattr(block_sparse, "_fa4_block_types", lambda: (Lists, None, None))
+    laid_out = []
+    real = block_sparse._fa4_layout
+    monkeypatch.setattr(block_sparse, "_fa4_layout", lambda *a, **k: laid_out.append(1) or real(*a, **k))
+    mask = torch.rand(2, 4, 300, 200) < 0.3
+    args = dict(batch=2, num_heads=4, seqlen_q=300, seqlen_k=200, is_causal=True, block_kv=64, key_major=False)
+    first = block_sparse.block_lists(mask, **args)
+    assert block_sparse.block_lists(mask, **args) is first and len(laid_out) == 1
+    assert block_sparse.block_lists(mask, **{**args, "key_major": True}) is not first and len(laid_out) == 2
+    mask[0, 0, 0, 0] = ~mask[0, 0, 0, 0]
+    again = block_sparse.block_lists(mask, **args)
+    assert again is not first and len(laid_out) == 3
+    assert first.block_size == again.block_size == (128, 64)
+    expected = block_sparse.tile_lists(mask, **args)
+    for name, tensor in expected.items():
+        assert torch.equal(getattr(again, name), tensor), name
