@@ -447,16 +447,20 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     fwd = plan_forward(pb, q, mask, bias)
     bwd = plan_backward(fwd, q, mask, bias, bias is not None, False)
     lines = [f"backend {fwd.backend.value} ({fwd.backend.source})"]
+    direct_bias = bias is not None and choice("attention_cute_direct_bias").value
     if isinstance(fwd, CutePlan) and isinstance(bwd, CutePlan):
         what = ("plain attention" if mask is None and bias is None else
                 "our bias hooks" if mask is None else
                 "our mask hook and tile lists" + (", bias hooks" if bias is not None else ""))
         lines.append(f"forward and backward: FlashAttention-4's SM90 kernels ({what})")
+        if direct_bias:
+            lines.append("forward bias: added at the score fragment's coordinates (cute/forward_bias.py)")
         if bwd.dbias_reduce is not None:
             lines.append(f"dbias: {bwd.dbias_reduce}")
         return lines
     if isinstance(fwd, CutePlan):
-        lines.append("forward: FlashAttention-4's SM90 kernels (our mask/bias hooks); "
+        what = "the bias at the score fragment's coordinates" if direct_bias else "our mask/bias hooks"
+        lines.append(f"forward: FlashAttention-4's SM90 kernels ({what}); "
                      f"backward: Triton ({bwd.backend.source})")
         fwd = None
     for p in ((fwd.forward,) if fwd is not None else ()) + (bwd.dkdv, bwd.dq):
