@@ -212,7 +212,8 @@ def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
                 and sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads) == sparsity.KV_GATHERED)
     name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
                                   q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise,
-                                  bias_per_key=bias is not None and bias.shape[-2] == 1)
+                                  bias_per_key=bias is not None and bias.shape[-2] == 1
+                                  and bias.dtype in (torch.float16, torch.bfloat16))
     if name != "cute" and requested == "cute":
         profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
     return Chosen(name, ("override, " if forced is not None else "") + reason)

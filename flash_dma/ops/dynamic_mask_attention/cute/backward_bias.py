@@ -29,7 +29,8 @@ from . import hooks
 from .forward_bias import fa4_class_swapped
 
 with open(__file__, "rb") as _source:
-    _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
+    # with hooks.py's digest: the kernels also trace its pair_pointer
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
 
 DBIAS_MODES = ("none", "store", "atomic")
 
@@ -86,8 +87,11 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             last_k = seqlen_info.seqlen_k - 1
             for i in cutlass.range_constexpr(cute.size(acc_S.shape)):
                 q, k = self._query_key(coords[i])
-                at = hooks.pair_pointer(bias, grouped, batch_idx, head_idx, cutlass.min(q, last_q),
-                                        cutlass.min(k, last_k))
+                # clamped into the problem at both ends (a tile may start before key 0, as in
+                # the forward); such lanes are masked after this step
+                at = hooks.pair_pointer(bias, grouped, batch_idx, head_idx,
+                                        cutlass.max(cutlass.min(q, last_q), 0),
+                                        cutlass.max(cutlass.min(k, last_k), 0))
                 value = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)
                 acc_S[i] = acc_S[i] * softmax_scale + value[0]
 
@@ -106,7 +110,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 coords = self._score_coords(thr_mma_SdP, m_block, n_block)
                 for i in cutlass.range_constexpr(cute.size(grad_tensor.shape)):
                     q, k = self._query_key(coords[i])
-                    if q < seqlen_info.seqlen_q and k < seqlen_info.seqlen_k:
+                    if (q >= 0) & (k >= 0) & (q < seqlen_info.seqlen_q) & (k < seqlen_info.seqlen_k):
                         at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
                         g = grad_tensor[i]
                         if const_expr(mode == "atomic"):

@@ -36,7 +36,8 @@ from flash_attn.cute.utils import AuxData
 from . import hooks
 
 with open(__file__, "rb") as _source:
-    _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
+    # with hooks.py's digest: the kernels also trace its pair_pointer
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
 
 
 # "registers": the next key tile's bias read into registers at the end of this tile's bias step
@@ -131,7 +132,11 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
             even = seqlen.seqlen_k % 2 == 0
             for d in cutlass.range_constexpr(cute.rank(bias.layout) - 1):
                 stride = bias.stride[d]
-                if const_expr(not isinstance(stride, int)):  # static ones are 0 here
+                if const_expr(isinstance(stride, int)):
+                    # static strides here are the broadcast dims' 0 (masked._pair_view)
+                    if const_expr(stride != 0):
+                        raise ValueError(f"bias view dim {d}: static stride {stride}, expected 0")
+                else:
                     even = even & (stride % 2 == 0)
             alignment = 2 * bias.element_type.width // 8
             even = even & (bias.iterator.toint() % alignment == 0)
@@ -222,7 +227,9 @@ class DirectBiasForwardSm90(FlashAttentionForwardSm90):
         i + 1 of the accumulator fragment are neighbouring keys of one row (the SM90 MMA
         layout), read as one aligned load (the caller checked the alignment)."""
         for i in cutlass.range_constexpr(0, cute.size(acc_S.shape), step):
-            k = cutlass.min(frag_coords[i][1], last_k + 1 - step)
+            # keys below 0 too: under causal with Sq > Sk FA4 runs a key tile at n_block = -1
+            # for query tiles that see no key (its loads are zero-filled there)
+            k = cutlass.max(cutlass.min(frag_coords[i][1], last_k + 1 - step), 0)
             if const_expr(step == 2):
                 values = self._pair_at(bias, grouped, batch_idx, head_idx, frag_coords[i][0], k,
                                        last_q)

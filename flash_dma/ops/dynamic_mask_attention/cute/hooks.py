@@ -47,12 +47,12 @@ from flash_attn.cute import utils as fa_utils
 
 
 with open(__file__, "rb") as _source:
-    _SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
+    SOURCE_DIGEST = hashlib.sha256(_source.read()).hexdigest()
 
 
 def _keyed(fn, *args):
     """fn with the compile-cache key of this file's text, the factory and its arguments."""
-    fn.__cute_hash__ = hashlib.sha256(f"{_SOURCE_DIGEST}:{fn.__name__}:{args!r}".encode()).hexdigest()
+    fn.__cute_hash__ = hashlib.sha256(f"{SOURCE_DIGEST}:{fn.__name__}:{args!r}".encode()).hexdigest()
     return fn
 
 

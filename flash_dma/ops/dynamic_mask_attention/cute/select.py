@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ....runtime.config import choice
 from . import availability
 from .availability import CuteBackendUnavailable
 from .masked import feature_gap as masked_feature_gap
@@ -45,7 +46,8 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
     FLASH_DMA_BACKEND. The CuTe backend serves plain attention (fixed length and varlen) and
     fixed-length attention with a mask and/or bias (cute/masked.py says which). bias_per_key:
-    the bias is broadcast along queries ([B|1, H|Hk|1, 1, Sk], Doge's dynamic-mask bias)."""
+    the bias is 16-bit and broadcast along queries ([B|1, H|Hk|1, 1, Sk], Doge's dynamic-mask
+    bias), the shape and types the CuTe direct-bias forward was measured ahead with."""
     if requested is None:
         requested = requested_backend()
     elif requested not in BACKEND_CHOICES:
@@ -66,11 +68,13 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     if has_mask:  # bench/results/cute-masked-NVIDIA-H200-20261126.txt: 1/8 tiles, fwd+bwd
         return "triton", ("auto: masks run on Triton (the CuTe mask path measured slower: forward "
                           "0.36x, forward + backward 0.78x); FLASH_DMA_BACKEND=cute forces it")
-    if has_bias and not (bias_per_key and head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS):
+    if has_bias and not (bias_per_key and head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS
+                         and choice("attention_cute_direct_bias").value):
         # bench/results/cute-bias-forward-NVIDIA-H200-20261126.txt: a [B,H,S,S] bias forward
         # on CuTe (cute/forward_bias.py) 0.92x Triton at D128, 0.70x at D64
-        return "triton", ("auto: this bias runs on Triton (the CuTe forward leads only with a bias "
-                          f"per key at head dim {', '.join(map(str, CUTE_PER_KEY_BIAS_HEAD_DIMS))}); "
+        return "triton", ("auto: this bias runs on Triton (the CuTe forward leads only with a 16-bit "
+                          "bias per key at head dim "
+                          f"{', '.join(map(str, CUTE_PER_KEY_BIAS_HEAD_DIMS))}, read directly); "
                           "FLASH_DMA_BACKEND=cute forces it")
     status = availability.cute_backend_status(device)
     if status is not None:
