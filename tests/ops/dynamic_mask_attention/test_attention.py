@@ -532,12 +532,13 @@ def _expected_cute_backward(mask, bias, B, H, Sq, Sk, deterministic=False):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_shape", [(2, 4, 300, 257), (1, 2, 300, 257), (2, 4, 1, 257), (2, 1, 300, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("seqlen_k", [257, 1030])
+@pytest.mark.parametrize("seqlen_k", [257, 1030, 100])
 def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim, seqlen_k):
     """The CuTe forward's bias read from the score fragment (cute/forward_bias.py: each prefetch
     form; an even key count takes the paired loads) and through FA4's score_mod hook: each
     against the fp64 reference (GQA, causal, the bias's key stride 1, 0 and a broadcast along
-    keys, several key tiles), and the direct outputs against the hook's."""
+    keys, several key tiles; Sk 100 < Sq 300 leaves query tiles that see no key, which FA4 runs
+    at key tile -1), and the direct outputs against the hook's."""
     dtype = torch.bfloat16
     shape = bias_shape[:3] + ((seqlen_k,) if bias_shape[3] != 1 else (1,))
     q, k, v, _, bias = make_inputs(2, 300, seqlen_k, 4, 2, head_dim, dtype, None, shape)
