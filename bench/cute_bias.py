@@ -33,9 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from cute_masked_check import BOUND, recording, runner, sliced_reference, speed_errors, worst  # noqa: E402
-from cute_plain_check import cute_status_here  # noqa: E402
+from cute_plain_check import cute_environment  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
-from flash_dma.benchmarks.common import environment  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
 CASES = {
@@ -77,14 +76,14 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    status = cute_status_here()
-    if status is not None:
-        print(f"cannot run: {status}")
+    env = cute_environment()
+    if env is None:
         return 2
     deadline = time.monotonic() + args.budget_s
-    env = environment()
     lines = [f"== CuTe bias paths beside Triton and Flex, bf16 B2 S4096 == "
-             f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | {env.get('date')}",
+             f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | "
+             f"CUDA {env.get('cuda')} | flash-attn-4 {env.get('flash-attn-4')} | "
+             f"nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | {env.get('date')}",
              f"{'case':<18} {'variant':<12} {'fwd ms':>8} {'bwd ms':>8}  backends / worst rel. error"]
     print(lines[0], flush=True)
     problems = []

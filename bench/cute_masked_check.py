@@ -35,10 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from cute_plain_check import backend, cute_status_here  # noqa: E402  (bench/ is on sys.path)
+from cute_plain_check import backend, cute_environment  # noqa: E402  (bench/ is on sys.path)
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
-from flash_dma.benchmarks.common import environment  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference, autograd  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
@@ -316,14 +315,10 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    status = cute_status_here()
-    if status is not None:
-        print(f"cannot run: {status}")
+    env = cute_environment()
+    if env is None:
         return 2
     deadline = time.monotonic() + args.budget_s
-    env = environment()
-    import importlib.metadata as md
-    env.update({n: md.version(n) for n in ("flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels")})
     lines = [f"== mask/bias on the CuTe backend, bf16 == device: {env.get('device')} ({env.get('sm_count')} SMs) | "
              f"torch {env.get('torch')} | triton {env.get('triton')} | CUDA {env.get('cuda')} | "
              f"flash-attn-4 {env.get('flash-attn-4')} | nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | "

@@ -135,18 +135,27 @@ def cute_status_here() -> str | None:
     return availability.cute_backend_status(torch.device("cuda"))
 
 
+def cute_environment() -> dict | None:
+    """The run's environment with the CuTe stack's versions, or None (after saying why) where
+    the CuTe backend cannot run here: the start of every CuTe report in bench/."""
+    status = cute_status_here()
+    if status is not None:
+        print(f"cannot run: {status}")
+        return None
+    import importlib.metadata as md
+    env = environment()
+    env.update({name: md.version(name) for name in ("flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels")})
+    return env
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape (a smoke run)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    status = cute_status_here()
-    if status is not None:
-        print(f"cannot run: {status}")
+    env = cute_environment()
+    if env is None:
         return 2
-    env = environment()
-    import importlib.metadata as md
-    env.update({name: md.version(name) for name in ("flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels")})
     env["cudnn"] = torch.backends.cudnn.version()
     rows, bad = [], []
     for B, S, H, D in (QUICK_SHAPES if args.quick else SHAPES):

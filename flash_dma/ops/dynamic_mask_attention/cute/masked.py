@@ -216,10 +216,10 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     kernel = contextlib.nullcontext()
     if bias is not None and choice("attention_cute_direct_bias").value:
         from . import forward_bias
-        view = aux[BIAS_SLOT]
-        if forward_bias.keys_contiguous(view):
-            aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(view)
-        pairs = choice("attention_cute_bias_pairs").value and forward_bias.keys_contiguous(view)
+        contiguous = forward_bias.keys_contiguous(aux[BIAS_SLOT])
+        if contiguous:
+            aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(aux[BIAS_SLOT])
+        pairs = contiguous and choice("attention_cute_bias_pairs").value
         score_mod = forward_bias.direct_bias_score_mod(
             BIAS_SLOT, grouped[BIAS_SLOT], choice("attention_cute_bias_prefetch").value, pairs,
             CUTLASS_TYPE_NAMES[bias.dtype])
