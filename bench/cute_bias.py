@@ -3,13 +3,14 @@ FlexAttention, bf16, one process:
 
     python bench/cute_bias.py [--cases "D128 full,D128 key"] [--variants ...] [--budget-s 480]
 
-- cute-direct: FA4's SM90 forward with the bias added from the score fragment's coordinates
-  (cute/forward_bias.py; declared choice attention_cute_direct_bias, the default), with its
-  defaults (paired loads, next tile prefetched to L2); direct-no-pairs, direct-no-prefetch,
-  direct-L1 and direct-registers (the next tile's values read into registers) change one of them;
-- direct-backward: cute-direct plus the backward's bias and dbias at the score fragments'
-  coordinates (cute/backward_bias.py; declared choice attention_cute_direct_bias_backward);
-- cute-hook: the same forward through FA4's per-element score_mod hook (hooks.py);
+- cute-direct: the CuTe backend with its defaults: FA4's SM90 forward with the bias added from
+  the score fragment's coordinates (cute/forward_bias.py: paired loads, the next key tile's bias
+  prefetched into registers at D128, to L2 elsewhere) and its backward re-adding the bias and
+  writing dbias the same way (cute/backward_bias.py); direct-no-pairs, direct-no-prefetch,
+  direct-L1, direct-L2 and direct-registers change one forward choice; hooks-backward puts
+  FA4's per-element hooks back in the backward;
+- cute-hook: both passes through FA4's per-element score_mod hooks (hooks.py);
+- auto: what a call gets by default (the backend and paths select.py picks);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
 - cute-plain: the same problem without the bias (what the bias costs).
 The forward is timed alone (do_bench median), the backward as torch.autograd.grad of a kept
@@ -43,6 +44,8 @@ CASES = {
     "D128 key": dict(H=16, D=128, bias="key"),
     "D64 full": dict(H=16, D=64, bias="full"),
     "D256 full": dict(H=8, D=256, bias="full"),
+    "D64 key": dict(H=16, D=64, bias="key"),
+    "D256 key": dict(H=8, D=256, bias="key"),
 }
 DIRECT = dict(attention_cute_bias=True, attention_cute_direct_bias=True)
 VARIANTS = {
@@ -50,9 +53,12 @@ VARIANTS = {
     "direct-no-pairs": ("cute", dict(DIRECT, attention_cute_bias_pairs=False)),
     "direct-no-prefetch": ("cute", dict(DIRECT, attention_cute_bias_prefetch="none")),
     "direct-L1": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L1")),
+    "direct-L2": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L2")),
     "direct-registers": ("cute", dict(DIRECT, attention_cute_bias_prefetch="registers")),
-    "direct-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=True)),
-    "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False)),
+    "hooks-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=False)),
+    "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False,
+                               attention_cute_direct_bias_backward=False)),
+    "auto": ("auto", {}),
     "triton": ("triton", {}),
     "flex": ("flex", {}),
     "cute-plain": ("cute", {}),

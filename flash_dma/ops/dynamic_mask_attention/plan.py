@@ -29,8 +29,9 @@ from ...runtime.config import Chosen, LaunchConfig, ceil_div, choice, config_nam
     head_dim_block, overridden
 from ...runtime.hardware import device_info
 from . import sparsity
-from .cute.masked import backward_gap as masked_backward_gap, dbias_reduce
-from .cute.select import BACKEND_CHOICES, choose_backend, requested_backend
+from .cute.masked import BiasPath, backward_gap as masked_backward_gap, bias_path, dbias_reduce
+from .cute.select import BACKEND_CHOICES, auto_backward_on_triton, bias_layout, choose_backend, \
+    requested_backend
 from .launch_table import select_config
 from .triton.host import DESCRIPTOR_MAX_HEAD_DIM, before_hopper, pair_tile_strides
 
@@ -198,33 +199,40 @@ def _forward_variant(q: torch.Tensor, mask, bias) -> str:
 @dataclass(frozen=True, eq=False)
 class CutePlan:
     """A call the CuTe backend runs (cute/backend.py): FA4 takes its launch choices itself; the
-    plan says how dbias is reduced ("store", "atomic", or None without dbias)."""
+    plan says how dbias is reduced ("store", "atomic", or None without dbias) and how the
+    kernels take a bias."""
     backend: Chosen
     problem: AttentionProblem
     deterministic: bool = False
     dbias_reduce: str | None = None
+    bias_path: BiasPath | None = None
+
+
+def _requested() -> tuple[str, bool]:
+    """(the backend asked for, whether by an override)."""
+    forced = overridden("attention_backend")
+    return (forced if forced is not None else requested_backend()), forced is not None
 
 
 def _backend(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> Chosen:
-    forced = overridden("attention_backend")
-    requested = forced if forced is not None else requested_backend()
+    requested, forced = _requested()
     key_wise = (mask is not None and requested != "triton"
                 and sparsity.choose_mode(mask, pb.num_heads, pb.num_kv_heads) == sparsity.KV_GATHERED)
     name, reason = choose_backend(q.device, mask is not None, bias is not None, pb.head_dim,
                                   q.dtype, pb.is_varlen, requested, key_wise_mask=key_wise,
-                                  bias_per_key=bias is not None and bias.shape[-2] == 1
-                                  and bias.dtype in (torch.float16, torch.bfloat16))
+                                  bias_kind=bias_layout(bias))
     if name != "cute" and requested == "cute":
         profile.log_fallback("attention", "the CuTe backend", "Triton", reason)
-    return Chosen(name, ("override, " if forced is not None else "") + reason)
+    return Chosen(name, ("override, " if forced else "") + reason)
 
 
 def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend: Chosen,
-              extra: tuple = ()) -> None:
+              bias_path: BiasPath | None, extra: tuple = ()) -> None:
     heads_word = lambda t: "H" if t is None or t.shape[1] == pb.num_heads else "Hk"  # noqa: E731
-    path = ("fa4-plain" if mask is None and bias is None else
-            "fa4-direct-bias" if bias is not None and pass_name == "fwd"
-            and choice("attention_cute_direct_bias").value else "fa4-hooks")
+    path = ("fa4-plain" if mask is None and bias is None else "fa4-hooks")
+    if bias_path is not None and (bias_path.direct_forward if pass_name == "fwd"
+                                  else bias_path.direct_backward):
+        path = "fa4-direct-bias" + (f"-{bias_path.prefetch}" if pass_name == "fwd" else "")
     profile.log_choice("attention", pass_name, "cute", device_info(device),
                        (("D", pb.head_dim), ("Sq", pb.seqlen_q), ("Sk", pb.seqlen_k),
                         ("B", pb.batch), ("H", pb.num_heads), ("Hk", pb.num_kv_heads),
@@ -237,9 +245,10 @@ def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend:
 def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
     backend = _backend(pb, q, mask, bias)
     if backend.value == "cute":
+        path = bias_path(pb.head_dim) if bias is not None else None
         if profile.active():
-            _log_cute("fwd", pb, q.device, mask, bias, backend)
-        return CutePlan(backend, pb)
+            _log_cute("fwd", pb, q.device, mask, bias, backend, path)
+        return CutePlan(backend, pb, bias_path=path)
     return _triton_forward_plan(pb, q, mask, bias, backend)
 
 
@@ -386,9 +395,13 @@ def _cute_backward_or_triton(fwd: CutePlan, q: torch.Tensor, mask, bias, want_db
             profile.log_fallback("attention", "the CuTe backward", "Triton", gap)
             return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", f"CuTe backward: {gap}"))
         reduce = dbias_reduce(pb.batch, pb.num_heads, bias) if want_dbias else None
-        plan = CutePlan(fwd.backend, pb, deterministic, reduce)
+        if bias is not None and _requested()[0] == "auto":
+            why = auto_backward_on_triton(mask is not None, pb.head_dim, bias_layout(bias), reduce)
+            if why is not None:  # a choice, not a fallback: the Triton backward leads here
+                return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", why))
+        plan = CutePlan(fwd.backend, pb, deterministic, reduce, fwd.bias_path)
     if profile.active():
-        _log_cute("bwd", pb, q.device, mask, bias, fwd.backend,
+        _log_cute("bwd", pb, q.device, mask, bias, fwd.backend, plan.bias_path,
                   (("dbias", plan.dbias_reduce),) if plan.dbias_reduce else ())
     return plan
 

@@ -26,7 +26,7 @@ def forward(plan, q, k, v, mask, bias):
     pb = plan.problem
     if mask is not None or bias is not None:
         return masked.forward(q, k, v, mask, bias, causal=pb.is_causal,
-                              softmax_scale=pb.softmax_scale)
+                              softmax_scale=pb.softmax_scale, path=plan.bias_path)
     out, lse = plain.forward(q, k, v, causal=pb.is_causal, softmax_scale=pb.softmax_scale,
                              **_varlen_args(pb))
     if pb.is_varlen:
@@ -39,7 +39,7 @@ def backward(plan, q, k, v, out, lse, dout, mask, bias):
     if mask is not None or bias is not None:
         return masked.backward(dout, q, k, v, out, lse, mask, bias, causal=pb.is_causal,
                                softmax_scale=pb.softmax_scale, dbias_mode=plan.dbias_reduce,
-                               deterministic=plan.deterministic)
+                               deterministic=plan.deterministic, path=plan.bias_path)
     dq, dk, dv = plain.backward(dout, q, k, v, out, lse, causal=pb.is_causal,
                                 softmax_scale=pb.softmax_scale, deterministic=plan.deterministic,
                                 **_varlen_args(pb))

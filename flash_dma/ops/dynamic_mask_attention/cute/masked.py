@@ -13,9 +13,10 @@ or an atomic dbias (FA4's ordered block-sparse dq needs write-order metadata we 
 
 How the pieces meet FA4:
 - bias: in the forward, forward_bias.py's class adds bias[b, h, q, kv] to the scaled score
-  from each thread's fragment coordinates (the generic score_mod hook where the declared choice
-  attention_cute_direct_bias is off); in the backward, score_mod re-adds it and score_mod_bwd
-  gets dS and writes dbias. Bias-only calls keep FA4's own causal handling and tiles.
+  from each thread's fragment coordinates; in the backward, backward_bias.py's class re-adds it
+  and writes dbias from dS the same way (FA4's generic score_mod / score_mod_bwd hooks, hooks.py,
+  where the declared choices turn these off). Bias-only calls keep FA4's own causal handling and
+  tiles. The plan resolves the choices once per call into a `BiasPath`.
 - mask: mask_mod reads the mask (as uint8) with the causal rule folded in (FA4 turns its causal
   off when given a mask_mod), and the tile lists make both passes skip empty tiles and skip the
   mask_mod on full ones.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -57,16 +59,41 @@ declare_choice("attention_cute_bias", True, (False, True),
 declare_choice("attention_cute_direct_bias", True, (False, True),
                "the CuTe forward adds the bias from the score fragment's coordinates "
                "(cute/forward_bias.py) instead of through FA4's per-element score_mod hook")
-declare_choice("attention_cute_direct_bias_backward", False, (False, True),
+declare_choice("attention_cute_direct_bias_backward", True, (False, True),
                "the CuTe backward re-adds the bias and writes dbias at the score fragments' "
-               "coordinates (cute/backward_bias.py) instead of through FA4's per-element hooks "
-               "(off: not yet measured on a GPU)")
-declare_choice("attention_cute_bias_prefetch", "L2", ("none", "L2", "L1", "registers"),
+               "coordinates (cute/backward_bias.py) instead of through FA4's per-element hooks")
+declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L1", "registers"),
                "the direct-bias forward prefetches the next key tile's bias: its lines to this "
-               "cache level, or (\"registers\", with paired loads) its values into registers")
+               "cache level, or (\"registers\", with paired loads) its values into registers; "
+               "auto: registers at head dim 128, L2 elsewhere")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
+
+# The register prefetch holds a key tile's bias in each consumer thread: spill-free only at head
+# dim 128 (ptxas), where it led the L2 prefetch; at 64 and 256 its spills made it slower
+# (bench/results/cute-bias-NVIDIA-H200-20261126.txt).
+REGISTER_PREFETCH_HEAD_DIMS = (128,)
+
+
+@dataclass(frozen=True)
+class BiasPath:
+    """How the CuTe kernels take a bias, resolved once per call from the declared choices (the
+    plan carries it; masked.forward/backward read nothing else)."""
+    direct_forward: bool
+    pairs: bool  # still subject to the bias's layout (forward_bias.keys_contiguous)
+    prefetch: str  # "none", "L2", "L1" or "registers"
+    direct_backward: bool
+
+
+def bias_path(head_dim: int) -> BiasPath:
+    prefetch = choice("attention_cute_bias_prefetch").value
+    pairs = choice("attention_cute_bias_pairs").value
+    if prefetch == "auto":
+        prefetch = "registers" if head_dim in REGISTER_PREFETCH_HEAD_DIMS and pairs else "L2"
+    return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
+                    prefetch=prefetch,
+                    direct_backward=choice("attention_cute_direct_bias_backward").value)
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -201,10 +228,11 @@ def _problem_shape(q, k):
     return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
 
 
-def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
+def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
+            path: BiasPath | None = None):
     """q [B, Sq, H, D], k/v [B, Sk, Hk, D], mask bool and bias broadcastable to [B, H, Sq, Sk]
     (checked by the caller, `feature_gap` None) -> (out like q, lse fp32 [B, H, Sq], +inf for
-    rows that see no key)."""
+    rows that see no key). path: how the bias is taken (`bias_path(head_dim)` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:  # no key anywhere (or no row): nothing to launch
         out = torch.zeros_like(q)
@@ -214,15 +242,16 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float):
     aux, grouped = _aux(shape, mask, bias)
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
     kernel = contextlib.nullcontext()
-    if bias is not None and choice("attention_cute_direct_bias").value:
+    if bias is not None and path is None:
+        path = bias_path(q.shape[-1])
+    if bias is not None and path.direct_forward:
         from . import forward_bias
         contiguous = forward_bias.keys_contiguous(aux[BIAS_SLOT])
         if contiguous:
             aux[BIAS_SLOT] = forward_bias.mark_keys_contiguous(aux[BIAS_SLOT])
-        pairs = contiguous and choice("attention_cute_bias_pairs").value
+        pairs = contiguous and path.pairs
         score_mod = forward_bias.direct_bias_score_mod(
-            BIAS_SLOT, grouped[BIAS_SLOT], choice("attention_cute_bias_prefetch").value, pairs,
-            CUTLASS_TYPE_NAMES[bias.dtype])
+            BIAS_SLOT, grouped[BIAS_SLOT], path.prefetch, pairs, CUTLASS_TYPE_NAMES[bias.dtype])
         kernel = forward_bias.direct_bias_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=False)
     with device_guard(q.device), kernel:
@@ -248,10 +277,11 @@ def _tile_lists(mask, shape, causal: bool, head_dim: int, key_major: bool):
 
 
 def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale: float,
-             dbias_mode: str | None, deterministic: bool = False):
+             dbias_mode: str | None, deterministic: bool = False, path: BiasPath | None = None):
     """Gradients of `forward` -> (dq, dk, dv, dbias or None). dbias_mode: None (no dbias),
     "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None (so with
-    deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums)."""
+    deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums).
+    path: how the bias is taken (`bias_path(head_dim)` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:
         dbias = torch.zeros_like(bias) if dbias_mode is not None else None
@@ -265,7 +295,9 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
     score_mod, mask_mod, score_mod_bwd = _hooks(mask, bias, grouped, causal, dbias_mode, backward=True,
                                                 group_size=num_heads // k.shape[2])
     kernel = contextlib.nullcontext()
-    if bias is not None and choice("attention_cute_direct_bias_backward").value:
+    if bias is not None and path is None:
+        path = bias_path(q.shape[-1])
+    if bias is not None and path.direct_backward:
         from . import backward_bias, forward_bias
         slots = (BIAS_SLOT, DBIAS_SLOT) if buffer is not None else (BIAS_SLOT,)
         for slot in slots:

@@ -21,13 +21,20 @@ from .masked import feature_gap as masked_feature_gap
 from .plain import plain_feature_gap
 
 BACKEND_ENV = "FLASH_DMA_BACKEND"
-# Head dims where auto sends a bias per key ([., ., 1, Sk]) to CuTe: measured there, forward
-# 1.15x the Triton backend at B2 H16 S4096 D128 (bench/results/cute-bias-forward-NVIDIA-H200-20261126.txt)
-CUTE_PER_KEY_BIAS_HEAD_DIMS = (128,)
+# Where auto sends a 16-bit bias without a mask to the CuTe forward (direct-bias forward on), by
+# the bias's layout: "per_key" [B|1, H|Hk|1, 1, Sk] (Doge's), "dense" [B|1, H|Hk|1, Sq, Sk].
+# Measured at B2 S4096 (bench/results/cute-bias-NVIDIA-H200-20261126.txt): per key at D128 1.18x
+# the Triton forward; dense 1.05x at D128, 1.15x at D256, 0.74x at D64.
+CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (128,), "dense": (128, 256)}
+# ... and where its backward (dq, dk, dv, dbias) runs on CuTe too: a dense bias at D256 (1.60x the
+# Triton backward); at D64 and D128 the Triton backward leads (2.5x, 2.1x), and reads the CuTe
+# forward's out and lse as its own.
+CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,)}
+BIAS_LAYOUTS = tuple(CUTE_BIAS_FORWARD_HEAD_DIMS)
 BACKEND_CHOICES = ("auto", "triton", "cute")
 
 __all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "CuteBackendUnavailable", "requested_backend",
-           "choose_backend", "feature_gap"]
+           "choose_backend", "bias_layout", "auto_backward_on_triton", "feature_gap"]
 
 
 def requested_backend(environ=None) -> str:
@@ -40,14 +47,23 @@ def requested_backend(environ=None) -> str:
     return value
 
 
+def bias_layout(bias: torch.Tensor | None) -> str | None:
+    """"per_key" or "dense" for a 16-bit bias of those layouts (see CUTE_BIAS_FORWARD_HEAD_DIMS),
+    else None (no bias, an fp32 bias, or one broadcast along keys)."""
+    if bias is None or bias.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if bias.shape[-2] == 1:
+        return "per_key"
+    return "dense" if bias.shape[-1] != 1 else None
+
+
 def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
                    varlen: bool, requested: str | None = None,
-                   key_wise_mask: bool = False, bias_per_key: bool = False) -> tuple[str, str]:
+                   key_wise_mask: bool = False, bias_kind: str | None = None) -> tuple[str, str]:
     """-> ("cute" | "triton", reason). requested: "auto", "triton" or "cute"; None reads
     FLASH_DMA_BACKEND. The CuTe backend serves plain attention (fixed length and varlen) and
-    fixed-length attention with a mask and/or bias (cute/masked.py says which). bias_per_key:
-    the bias is 16-bit and broadcast along queries ([B|1, H|Hk|1, 1, Sk], Doge's dynamic-mask
-    bias), the shape and types the CuTe direct-bias forward was measured ahead with."""
+    fixed-length attention with a mask and/or bias (cute/masked.py says which). bias_kind:
+    `bias_layout(bias)`, what auto reads to send a bias where the CuTe forward measured ahead."""
     if requested is None:
         requested = requested_backend()
     elif requested not in BACKEND_CHOICES:
@@ -68,20 +84,32 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
     if has_mask:  # bench/results/cute-masked-NVIDIA-H200-20261126.txt: 1/8 tiles, fwd+bwd
         return "triton", ("auto: masks run on Triton (the CuTe mask path measured slower: forward "
                           "0.36x, forward + backward 0.78x); FLASH_DMA_BACKEND=cute forces it")
-    if has_bias and not (bias_per_key and head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS
+    if has_bias and not (head_dim in CUTE_BIAS_FORWARD_HEAD_DIMS.get(bias_kind, ())
                          and choice("attention_cute_direct_bias").value):
-        # bench/results/cute-bias-forward-NVIDIA-H200-20261126.txt: a [B,H,S,S] bias forward
-        # on CuTe (cute/forward_bias.py) 0.92x Triton at D128, 0.70x at D64
-        return "triton", ("auto: this bias runs on Triton (the CuTe forward leads only with a 16-bit "
-                          "bias per key at head dim "
-                          f"{', '.join(map(str, CUTE_PER_KEY_BIAS_HEAD_DIMS))}, read directly); "
-                          "FLASH_DMA_BACKEND=cute forces it")
+        led = "; ".join(f"a 16-bit {kind.replace('_', ' ')} bias at head dim {', '.join(map(str, dims))}"
+                        for kind, dims in CUTE_BIAS_FORWARD_HEAD_DIMS.items())
+        return "triton", (f"auto: this bias runs on Triton (the CuTe forward, reading the bias "
+                          f"directly, leads with {led}); FLASH_DMA_BACKEND=cute forces it")
     status = availability.cute_backend_status(device)
     if status is not None:
         return "triton", f"auto: {status}"
     kind = ("plain" if not (has_mask or has_bias) else
             "masked" if not has_bias else "biased" if not has_mask else "masked and biased")
     return "cute", f"auto: SM90 with the CuTe DSL stack, {kind} {layout} attention"
+
+
+def auto_backward_on_triton(has_mask: bool, head_dim: int, bias_kind: str | None,
+                            dbias_reduce: str | None) -> str | None:
+    """For a biased call whose forward auto sent to CuTe: why its backward runs on Triton
+    instead (the Triton backward leads there), or None to keep it on CuTe."""
+    if has_mask:
+        return None
+    if head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(bias_kind, ()) and dbias_reduce != "atomic":
+        return None
+    return ("auto: the Triton backward leads the CuTe one with this bias (CuTe's leads with a "
+            "16-bit dense bias at head dim "
+            f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['dense']))} and one dbias writer "
+            "per entry); FLASH_DMA_BACKEND=cute forces it")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,

@@ -69,7 +69,8 @@ def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(s
     status(None)
     for change, words in ((dict(has_mask=True), "masks run on Triton"), (dict(has_bias=True), "bias runs on Triton"),
                           (dict(has_mask=True, has_bias=True), "masks run on Triton"),
-                          (dict(has_mask=True, has_bias=True, bias_per_key=True), "masks run on Triton")):
+                          (dict(has_mask=True, has_bias=True, bias_kind="per_key"), "masks run on Triton"),
+                          (dict(has_mask=True, has_bias=True, bias_kind="dense"), "masks run on Triton")):
         backend, reason = choose_backend("cuda", requested="auto",
                                          **{**PLAIN, "head_dim": head_dim, **change})
         assert backend == "triton" and words in reason, reason
@@ -79,21 +80,58 @@ def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(s
         assert backend == "triton" and "attention_cute_bias" in reason, reason
 
 
+@pytest.mark.parametrize("bias_kind", ["per_key", "dense", None])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_auto_sends_a_bias_per_key_to_cute_where_it_measured_faster(status, head_dim):
-    """A bias broadcast along queries ([B, H, 1, Sk], Doge's) takes the CuTe forward under auto
-    at the head dims where that forward measured ahead of Triton (select.CUTE_PER_KEY_BIAS_HEAD_DIMS);
-    elsewhere Triton, saying why."""
-    from flash_dma.ops.dynamic_mask_attention.cute.select import CUTE_PER_KEY_BIAS_HEAD_DIMS
+def test_auto_sends_a_bias_to_cute_where_its_forward_measured_faster(status, head_dim, bias_kind):
+    """A 16-bit bias without a mask takes the CuTe forward under auto at the layouts and head dims
+    where that forward measured ahead of Triton (select.CUTE_BIAS_FORWARD_HEAD_DIMS), only with
+    the direct-bias forward; elsewhere (an fp32 bias: bias_kind None) Triton, saying why."""
+    from flash_dma.ops.dynamic_mask_attention.cute.select import CUTE_BIAS_FORWARD_HEAD_DIMS
     status(None)
-    backend, reason = choose_backend("cuda", requested="auto",
-                                     **{**PLAIN, "head_dim": head_dim, "has_bias": True, "bias_per_key": True})
-    if head_dim in CUTE_PER_KEY_BIAS_HEAD_DIMS:
+    call = {**PLAIN, "head_dim": head_dim, "has_bias": True, "bias_kind": bias_kind}
+    backend, reason = choose_backend("cuda", requested="auto", **call)
+    if head_dim in CUTE_BIAS_FORWARD_HEAD_DIMS.get(bias_kind, ()):
         assert backend == "cute" and "biased" in reason, reason
         with config.overrides(attention_cute_direct_bias=False):  # the hook path measured slower
-            backend, reason = choose_backend("cuda", requested="auto", **{
-                **PLAIN, "head_dim": head_dim, "has_bias": True, "bias_per_key": True})
-    assert backend == "triton" and "bias per key at head dim" in reason, reason
+            backend, reason = choose_backend("cuda", requested="auto", **call)
+    assert backend == "triton" and "leads with a 16-bit per key bias at head dim 128" in reason, reason
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_auto_keeps_a_biased_backward_on_cute_only_where_it_measured_faster(head_dim):
+    from flash_dma.ops.dynamic_mask_attention.cute.select import (CUTE_BIAS_BACKWARD_HEAD_DIMS,
+                                                                  auto_backward_on_triton)
+    for kind in ("dense", "per_key", None):
+        for reduce in ("store", "atomic", None):
+            why = auto_backward_on_triton(False, head_dim, kind, reduce)
+            keep = head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(kind, ()) and reduce != "atomic"
+            assert (why is None) == keep, (kind, reduce, why)
+            if why is not None:
+                assert "Triton backward leads" in why and "FLASH_DMA_BACKEND=cute" in why
+    assert auto_backward_on_triton(True, head_dim, "dense", "store") is None  # masks: not this rule
+
+
+def test_bias_layout_names_the_layouts_auto_reads():
+    from flash_dma.ops.dynamic_mask_attention.cute.select import bias_layout
+    bf16 = dict(dtype=torch.bfloat16)
+    assert bias_layout(None) is None
+    assert bias_layout(torch.zeros(2, 4, 1, 64, **bf16)) == "per_key"
+    assert bias_layout(torch.zeros(1, 1, 1, 64, dtype=torch.float16)) == "per_key"
+    assert bias_layout(torch.zeros(2, 4, 32, 64, **bf16)) == "dense"
+    assert bias_layout(torch.zeros(2, 1, 32, 64, **bf16)) == "dense"
+    assert bias_layout(torch.zeros(2, 4, 32, 1, **bf16)) is None  # broadcast along keys
+    assert bias_layout(torch.zeros(2, 4, 32, 64)) is None  # fp32
+
+
+@pytest.mark.parametrize("prefetch, head_dim, pairs, expected", [
+    ("auto", 128, True, "registers"), ("auto", 64, True, "L2"), ("auto", 256, True, "L2"),
+    ("auto", 128, False, "L2"), ("L1", 128, True, "L1"), ("registers", 64, True, "registers")])
+def test_bias_path_resolves_the_prefetch(prefetch, head_dim, pairs, expected):
+    from flash_dma.ops.dynamic_mask_attention.cute.masked import bias_path
+    with config.overrides(attention_cute_bias_prefetch=prefetch, attention_cute_bias_pairs=pairs):
+        path = bias_path(head_dim)
+    assert path.prefetch == expected and path.pairs == pairs
+    assert path.direct_forward and path.direct_backward  # the defaults
 
 
 def test_auto_falls_back_with_the_status_as_reason(status):
@@ -296,20 +334,20 @@ def test_the_attention_call_honours_the_backend_choice(monkeypatch):
 
 
 def _cute_plans(status, mask_shape, bias_shape, *, want_dbias=True, deterministic=False,
-                causal=False):
-    """(forward plan, backward plan) of a B2 H4 Hk2 S40x50 D128 call, the CuTe status set usable
+                causal=False, requested="cute", head_dim=128):
+    """(forward plan, backward plan) of a B2 H4 Hk2 S40x50 call, the CuTe status set usable
     (no tensor is read: stand-ins of the shapes, as `flash-dma env --attention` builds)."""
     from flash_dma.ops.dynamic_mask_attention.plan import AttentionProblem, plan_backward, plan_forward
     status(None)
-    pb = AttentionProblem(2, 4, 2, 128, 40, 50, False, causal, 128 ** -0.5, None, None)
-    q = torch.empty(2, 40, 4, 128, dtype=torch.bfloat16)
+    pb = AttentionProblem(2, 4, 2, head_dim, 40, 50, False, causal, head_dim ** -0.5, None, None)
+    q = torch.empty(2, 40, 4, head_dim, dtype=torch.bfloat16)
 
     def stand_in(shape, dtype):
         return None if shape is None else torch.empty((), dtype=dtype).expand(shape)
     mask, bias = stand_in(mask_shape, torch.bool), stand_in(bias_shape, torch.bfloat16)
     # forced, with the bias hooks let in: this checks the CuTe path's own planning (auto keeps
     # masks and biases on Triton: test_masks_and_biases_stay_on_triton_...)
-    with config.overrides(attention_backend="cute", attention_cute_bias=True):
+    with config.overrides(attention_backend=requested, attention_cute_bias=True):
         fwd = plan_forward(pb, q, mask, bias)
         return fwd, plan_backward(fwd, q, mask, bias, want_dbias and bias is not None, deterministic)
 
@@ -358,3 +396,25 @@ def test_cute_serves_deterministic_bias_with_one_writer_per_entry(status):
     from flash_dma.ops.dynamic_mask_attention.plan import CutePlan
     _, bwd = _cute_plans(status, None, (2, 4, 40, 50), deterministic=True)
     assert isinstance(bwd, CutePlan) and bwd.dbias_reduce == "store" and bwd.deterministic
+
+
+@pytest.mark.parametrize("head_dim, backward", [(64, None), (128, "triton"), (256, "cute")])
+def test_auto_plans_a_dense_bias_where_each_pass_measured_faster(status, caplog, head_dim, backward):
+    """Under auto, a 16-bit dense bias takes the CuTe forward at D128 and D256 and the CuTe
+    backward at D256 only; the Triton backward after a CuTe forward is a choice, not a fallback
+    (no warning). D64 stays on Triton for both. The plan carries the resolved bias choices."""
+    from flash_dma.ops.dynamic_mask_attention.plan import BackwardPlan, CutePlan, ForwardPlan
+    with caplog.at_level("WARNING", logger="flash_dma"):
+        fwd, bwd = _cute_plans(status, None, (2, 4, 40, 50), requested="auto", head_dim=head_dim)
+    if backward is None:
+        assert isinstance(fwd, ForwardPlan) and isinstance(bwd, BackwardPlan)
+        return
+    assert isinstance(fwd, CutePlan) and fwd.bias_path is not None
+    assert fwd.bias_path.prefetch == ("registers" if head_dim == 128 else "L2")
+    if backward == "cute":
+        assert isinstance(bwd, CutePlan) and bwd.bias_path == fwd.bias_path
+    else:
+        assert isinstance(bwd, BackwardPlan) and "Triton backward leads" in bwd.backend.source
+        assert not any("instead" in r.getMessage() for r in caplog.records)
+    _, forced = _cute_plans(status, None, (2, 4, 40, 50), requested="cute", head_dim=head_dim)
+    assert isinstance(forced, CutePlan)
