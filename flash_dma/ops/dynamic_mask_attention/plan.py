@@ -206,6 +206,7 @@ class CutePlan:
     deterministic: bool = False
     dbias_reduce: str | None = None
     bias_path: BiasPath | None = None
+    chosen_by_auto: bool = False  # the backward then follows auto's rules too
 
 
 def _requested() -> tuple[str, bool]:
@@ -245,10 +246,10 @@ def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend:
 def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
     backend = _backend(pb, q, mask, bias)
     if backend.value == "cute":
-        path = bias_path(pb.head_dim) if bias is not None else None
+        path = bias_path(pb.head_dim, pb.is_causal) if bias is not None else None
         if profile.active():
             _log_cute("fwd", pb, q.device, mask, bias, backend, path)
-        return CutePlan(backend, pb, bias_path=path)
+        return CutePlan(backend, pb, bias_path=path, chosen_by_auto=_requested()[0] == "auto")
     return _triton_forward_plan(pb, q, mask, bias, backend)
 
 
@@ -395,11 +396,11 @@ def _cute_backward_or_triton(fwd: CutePlan, q: torch.Tensor, mask, bias, want_db
             profile.log_fallback("attention", "the CuTe backward", "Triton", gap)
             return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", f"CuTe backward: {gap}"))
         reduce = dbias_reduce(pb.batch, pb.num_heads, bias) if want_dbias else None
-        if bias is not None and _requested()[0] == "auto":
+        if bias is not None and fwd.chosen_by_auto:
             why = auto_backward_on_triton(mask is not None, pb.head_dim, bias_layout(bias), reduce)
             if why is not None:  # a choice, not a fallback: the Triton backward leads here
                 return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", why))
-        plan = CutePlan(fwd.backend, pb, deterministic, reduce, fwd.bias_path)
+        plan = CutePlan(fwd.backend, pb, deterministic, reduce, fwd.bias_path, fwd.chosen_by_auto)
     if profile.active():
         _log_cute("bwd", pb, q.device, mask, bias, fwd.backend, plan.bias_path,
                   (("dbias", plan.dbias_reduce),) if plan.dbias_reduce else ())

@@ -12,7 +12,7 @@ Entry points for the attention plan:
 - choose_backend(device, has_mask, has_bias, head_dim, dtype, varlen, requested, key_wise_mask,
   bias_kind) -> ("cute"|"triton", reason); auto_backward_on_triton: where auto keeps a biased
   call's backward on Triton after a CuTe forward
-- masked.bias_path(head_dim): the declared bias choices resolved, carried by the plan
+- masked.bias_path(head_dim, causal): the declared bias choices resolved, carried by the plan
 - plain.forward/backward; masked.forward/backward (masked.backward_gap: when the backward moves
   to Triton)
 """

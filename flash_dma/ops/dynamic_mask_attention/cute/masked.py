@@ -65,14 +65,14 @@ declare_choice("attention_cute_direct_bias_backward", True, (False, True),
 declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L1", "registers"),
                "the direct-bias forward prefetches the next key tile's bias: its lines to this "
                "cache level, or (\"registers\", with paired loads) its values into registers; "
-               "auto: registers at head dim 128, L2 elsewhere")
+               "auto: registers at head dim 128 without causal, L2 elsewhere")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
 
 # The register prefetch holds a key tile's bias in each consumer thread: spill-free only at head
-# dim 128 (ptxas), where it led the L2 prefetch; at 64 and 256 its spills made it slower
-# (bench/results/cute-bias-NVIDIA-H200-20261126.txt).
+# dim 128 without causal (ptxas), where it led the L2 prefetch; at 64 and 256, and causal at 128,
+# its spills made it slower (bench/results/cute-bias-NVIDIA-H200-20261126.txt, -H100-...).
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
 
 
@@ -86,11 +86,12 @@ class BiasPath:
     direct_backward: bool
 
 
-def bias_path(head_dim: int) -> BiasPath:
+def bias_path(head_dim: int, causal: bool) -> BiasPath:
     prefetch = choice("attention_cute_bias_prefetch").value
     pairs = choice("attention_cute_bias_pairs").value
     if prefetch == "auto":
-        prefetch = "registers" if head_dim in REGISTER_PREFETCH_HEAD_DIMS and pairs else "L2"
+        registers = head_dim in REGISTER_PREFETCH_HEAD_DIMS and not causal and pairs
+        prefetch = "registers" if registers else "L2"
     return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
                     prefetch=prefetch,
                     direct_backward=choice("attention_cute_direct_bias_backward").value)
@@ -232,7 +233,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
             path: BiasPath | None = None):
     """q [B, Sq, H, D], k/v [B, Sk, Hk, D], mask bool and bias broadcastable to [B, H, Sq, Sk]
     (checked by the caller, `feature_gap` None) -> (out like q, lse fp32 [B, H, Sq], +inf for
-    rows that see no key). path: how the bias is taken (`bias_path(head_dim)` when None)."""
+    rows that see no key). path: how the bias is taken (`bias_path(head_dim, causal)` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:  # no key anywhere (or no row): nothing to launch
         out = torch.zeros_like(q)
@@ -243,7 +244,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1])
+        path = bias_path(q.shape[-1], causal)
     if bias is not None and path.direct_forward:
         from . import forward_bias
         contiguous = forward_bias.keys_contiguous(aux[BIAS_SLOT])
@@ -281,7 +282,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
     """Gradients of `forward` -> (dq, dk, dv, dbias or None). dbias_mode: None (no dbias),
     "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None (so with
     deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums).
-    path: how the bias is taken (`bias_path(head_dim)` when None)."""
+    path: how the bias is taken (`bias_path(head_dim, causal)` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:
         dbias = torch.zeros_like(bias) if dbias_mode is not None else None
@@ -296,7 +297,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                                                 group_size=num_heads // k.shape[2])
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1])
+        path = bias_path(q.shape[-1], causal)
     if bias is not None and path.direct_backward:
         from . import backward_bias, forward_bias
         slots = (BIAS_SLOT, DBIAS_SLOT) if buffer is not None else (BIAS_SLOT,)

@@ -123,13 +123,15 @@ def test_bias_layout_names_the_layouts_auto_reads():
     assert bias_layout(torch.zeros(2, 4, 32, 64)) is None  # fp32
 
 
-@pytest.mark.parametrize("prefetch, head_dim, pairs, expected", [
-    ("auto", 128, True, "registers"), ("auto", 64, True, "L2"), ("auto", 256, True, "L2"),
-    ("auto", 128, False, "L2"), ("L1", 128, True, "L1"), ("registers", 64, True, "registers")])
-def test_bias_path_resolves_the_prefetch(prefetch, head_dim, pairs, expected):
+@pytest.mark.parametrize("prefetch, head_dim, causal, pairs, expected", [
+    ("auto", 128, False, True, "registers"), ("auto", 128, True, True, "L2"),
+    ("auto", 64, False, True, "L2"), ("auto", 256, False, True, "L2"),
+    ("auto", 128, False, False, "L2"), ("L1", 128, False, True, "L1"),
+    ("registers", 64, True, True, "registers")])
+def test_bias_path_resolves_the_prefetch(prefetch, head_dim, causal, pairs, expected):
     from flash_dma.ops.dynamic_mask_attention.cute.masked import bias_path
     with config.overrides(attention_cute_bias_prefetch=prefetch, attention_cute_bias_pairs=pairs):
-        path = bias_path(head_dim)
+        path = bias_path(head_dim, causal)
     assert path.prefetch == expected and path.pairs == pairs
     assert path.direct_forward and path.direct_backward  # the defaults
 
@@ -418,3 +420,21 @@ def test_auto_plans_a_dense_bias_where_each_pass_measured_faster(status, caplog,
         assert not any("instead" in r.getMessage() for r in caplog.records)
     _, forced = _cute_plans(status, None, (2, 4, 40, 50), requested="cute", head_dim=head_dim)
     assert isinstance(forced, CutePlan)
+
+
+def test_the_backward_follows_the_forwards_request(status):
+    """A forward forced onto CuTe keeps its backward there even when the backward is planned
+    outside the override (autograd runs it later), and an auto forward keeps auto's rules."""
+    from flash_dma.ops.dynamic_mask_attention.plan import AttentionProblem, BackwardPlan, CutePlan, \
+        plan_backward, plan_forward
+    status(None)
+    pb = AttentionProblem(2, 4, 2, 128, 40, 50, False, False, 128 ** -0.5, None, None)
+    q = torch.empty(2, 40, 4, 128, dtype=torch.bfloat16)
+    bias = torch.empty((), dtype=torch.bfloat16).expand(2, 4, 40, 50)
+    with config.overrides(attention_backend="cute"):
+        fwd = plan_forward(pb, q, None, bias)
+    assert isinstance(plan_backward(fwd, q, None, bias, True, False), CutePlan)
+    fwd = plan_forward(pb, q, None, bias)
+    assert isinstance(fwd, CutePlan) and fwd.chosen_by_auto
+    with config.overrides(attention_backend="cute"):
+        assert isinstance(plan_backward(fwd, q, None, bias, True, False), BackwardPlan)
