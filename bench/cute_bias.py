@@ -7,7 +7,8 @@ FlexAttention, bf16, one process:
   the score fragment's coordinates (cute/forward_bias.py: paired loads, the next key tile's bias
   prefetched into registers at D128, to L2 elsewhere) and its backward re-adding the bias and
   writing dbias the same way (cute/backward_bias.py); direct-no-pairs, direct-no-prefetch,
-  direct-L1, direct-L2 and direct-registers change one forward choice; hooks-backward puts
+  direct-L1, direct-L2, direct-registers and direct-tma (whole bias tiles by TMA into shared
+  memory, cute/forward_bias_tma.py) change one forward choice; hooks-backward puts
   FA4's per-element hooks back in the backward;
 - cute-hook: both passes through FA4's per-element score_mod hooks (hooks.py);
 - auto: what a call gets by default (the backend and paths select.py picks);
@@ -55,6 +56,7 @@ VARIANTS = {
     "direct-L1": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L1")),
     "direct-L2": ("cute", dict(DIRECT, attention_cute_bias_prefetch="L2")),
     "direct-registers": ("cute", dict(DIRECT, attention_cute_bias_prefetch="registers")),
+    "direct-tma": ("cute", dict(DIRECT, attention_cute_bias_prefetch="tma")),
     "hooks-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=False)),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False,
                                attention_cute_direct_bias_backward=False)),

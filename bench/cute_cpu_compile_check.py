@@ -4,6 +4,8 @@ sm_90a on a machine without a GPU, and check that a new length compiles nothing.
     python bench/cute_cpu_compile_check.py                      # every plain variant (long on 2 cores)
     python bench/cute_cpu_compile_check.py --dims 128 --dtypes bf16 --causal 1 --gqa 4 --varlen 0
     python bench/cute_cpu_compile_check.py --pairs bias,mask-keys --varlen 0   # mask/bias hooks
+    python bench/cute_cpu_compile_check.py --pairs bias --varlen 0 --key-multiple 8 \
+        --choices attention_cute_bias_prefetch=tma      # the TMA bias forward (keys a multiple of 8)
 
 --pairs picks the mask/bias variants (cute/masked.py, fixed lengths only): "none" (plain), or
 one of PAIRS below (a mask and/or bias shape, and whether dbias is asked for).
@@ -36,6 +38,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from flash_dma.ops.dynamic_mask_attention.cute import availability, masked, plain  # noqa: E402
+from flash_dma.runtime.config import overrides  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FIRST_LENGTHS = (300, 257)
@@ -151,6 +154,12 @@ def check_variant(dim, dtype_name, causal, group, varlen, deterministic, pair="n
     return ok
 
 
+def _choices(text):
+    flags = {"True": True, "False": False}
+    pairs = (item.split("=", 1) for item in text.split(",") if item)
+    return {name: flags.get(value, value) for name, value in pairs}
+
+
 def _ints(text):
     return [int(x) for x in text.split(",")]
 
@@ -165,6 +174,10 @@ def main(argv=None) -> int:
     parser.add_argument("--deterministic", type=_ints, default=[0])
     parser.add_argument("--pairs", type=lambda s: s.split(","), default=["none"],
                         help="mask/bias variants: none or " + ", ".join(PAIRS))
+    parser.add_argument("--key-multiple", type=int, default=1,
+                        help="round the key lengths down to a multiple of this (TMA's 16-byte rows)")
+    parser.add_argument("--choices", type=_choices, default={},
+                        help="declared choices to override, name=value,... (True/False for flags)")
     args = parser.parse_args(argv)
     status = availability.software_status()
     if status is not None:
@@ -188,9 +201,14 @@ def main(argv=None) -> int:
             return self.clone(memory_format=memory_format)
         torch.Tensor.contiguous = contiguous
     print(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} torch {torch.__version__}", flush=True)
-    results = [check_variant(*variant) for variant in itertools.product(
-        args.dims, args.dtypes, map(bool, args.causal), args.gqa, map(bool, args.varlen),
-        map(bool, args.deterministic), args.pairs)]
+    global FIRST_LENGTHS, LATER_LENGTHS
+    step = args.key_multiple
+    FIRST_LENGTHS = (FIRST_LENGTHS[0], FIRST_LENGTHS[1] // step * step)
+    LATER_LENGTHS = tuple((sq, sk // step * step) for sq, sk in LATER_LENGTHS)
+    with overrides(**args.choices):
+        results = [check_variant(*variant) for variant in itertools.product(
+            args.dims, args.dtypes, map(bool, args.causal), args.gqa, map(bool, args.varlen),
+            map(bool, args.deterministic), args.pairs)]
     failed = results.count(False)
     print(f"{len(results) - failed} passed, {failed} failed")
     return 1 if failed else 0

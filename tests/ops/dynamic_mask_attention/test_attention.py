@@ -556,6 +556,52 @@ def test_gpu_cute_bias_forward_direct_and_hook(on_cute, bias_shape, head_dim, se
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_batch", ["each", "kv heads, batch broadcast", "shared", "sliced"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_k", [256, 1032, 104])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cute_bias_forward_tma(on_cute, caplog, heads_batch, head_dim, seqlen_k, causal):
+    """The CuTe forward with the bias tile loaded by TMA into shared memory
+    (cute/forward_bias_tma.py) against the fp64 reference and the direct form's output: bias per
+    query head, per kv head and shared across batches, or one shared by all heads, or a slice of
+    a wider tensor (strides not the contiguous ones); key counts of whole tiles, of part of a tile
+    and below Sq (query tiles that see no key run key tile -1 under causal); GQA; Sq 300 leaves a
+    partial query tile. Runs on the TMA path (no fallback logged)."""
+    dtype = torch.bfloat16
+    B, Sq, H, Hk = 2, 300, 4, 2
+    shape = {"each": (B, H, Sq, seqlen_k), "kv heads, batch broadcast": (1, Hk, Sq, seqlen_k),
+             "shared": (B, 1, Sq, seqlen_k), "sliced": (B, H, Sq, seqlen_k)}[heads_batch]
+    q, k, v, _, bias = make_inputs(B, Sq, seqlen_k, H, Hk, head_dim, dtype, None, shape)
+    if heads_batch == "sliced":
+        wide = torch.randn(B, H, Sq, seqlen_k + 16, device=bias.device, dtype=dtype)
+        bias = wide[..., 8:8 + seqlen_k]
+    with caplog.at_level("WARNING", logger="flash_dma"), \
+            config.overrides(attention_cute_bias_prefetch="tma"):
+        check_against_reference(q, k, v, None, bias, causal, dtype, grad=False)  # a contiguous copy
+        out_tma = flash_dma_func(q, k, v, attn_bias=bias, is_causal=causal)  # the bias as it is
+    assert not any("TMA bias" in r.getMessage() for r in caplog.records), caplog.text
+    with config.overrides(attention_cute_bias_prefetch="L2"):
+        out_direct = flash_dma_func(q, k, v, attn_bias=bias, is_causal=causal)
+    assert [p for p in on_cute if p[0] == "fwd"] == [("fwd", "cute")] * 3
+    diff = (out_tma.double() - out_direct.double()).norm() / out_direct.double().norm()
+    assert diff < 2e-3, diff
+
+
+@pytest.mark.gpu
+def test_gpu_cute_bias_forward_tma_falls_back_where_tma_cannot_load(on_cute, caplog, monkeypatch):
+    """A key count whose rows are not 16-byte aligned (Sk 257): the direct forward runs instead,
+    logged, and the output is right."""
+    from flash_dma.runtime import profile
+    monkeypatch.setattr(profile, "_FALLBACKS_SEEN", set())
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 257, 4, 2, 128, dtype, None, (2, 4, 300, 257))
+    with caplog.at_level("WARNING", logger="flash_dma"), \
+            config.overrides(attention_cute_bias_prefetch="tma"):
+        check_against_reference(q, k, v, None, bias, False, dtype, grad=False)
+    assert "16-byte aligned" in caplog.text
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bias_shape", [(2, 4, 300, 257), (1, 4, 300, 257), (2, 2, 300, 257), (1, 1, 300, 257)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("with_mask", [False, True])

@@ -26,12 +26,13 @@ How the pieces meet FA4:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
+from ....runtime import profile
 from ....runtime.config import choice, declare_choice
 from ....runtime.hardware import device_guard
 from . import block_sparse, plain
@@ -62,10 +63,12 @@ declare_choice("attention_cute_direct_bias", True, (False, True),
 declare_choice("attention_cute_direct_bias_backward", True, (False, True),
                "the CuTe backward re-adds the bias and writes dbias at the score fragments' "
                "coordinates (cute/backward_bias.py) instead of through FA4's per-element hooks")
-declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L1", "registers"),
+declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L1", "registers", "tma"),
                "the direct-bias forward prefetches the next key tile's bias: its lines to this "
-               "cache level, or (\"registers\", with paired loads) its values into registers; "
-               "auto: registers at head dim 128 without causal, L2 elsewhere")
+               "cache level, or (\"registers\", with paired loads) its values into registers, or "
+               "(\"tma\", a bias with full query and key dims) whole tiles into shared memory by "
+               "TMA from a producer warp (cute/forward_bias_tma.py); auto: registers at head dim "
+               "128 without causal, L2 elsewhere")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -76,7 +79,7 @@ declare_choice("attention_cute_bias_pairs", True, (False, True),
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class BiasPath:
     """How the CuTe kernels take a bias, resolved once per call from the declared choices (the
     plan carries it; masked.forward/backward read nothing else)."""
@@ -86,10 +89,11 @@ class BiasPath:
     direct_backward: bool
 
 
-def bias_path(head_dim: int, causal: bool) -> BiasPath:
+def bias_path(head_dim: int, causal: bool, tma: bool = True) -> BiasPath:
+    """tma=False: the form auto picks where the TMA form cannot serve a call."""
     prefetch = choice("attention_cute_bias_prefetch").value
     pairs = choice("attention_cute_bias_pairs").value
-    if prefetch == "auto":
+    if prefetch == "auto" or (prefetch == "tma" and not tma):
         registers = head_dim in REGISTER_PREFETCH_HEAD_DIMS and not causal and pairs
         prefetch = "registers" if registers else "L2"
     return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
@@ -245,7 +249,24 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
         path = bias_path(q.shape[-1], causal)
-    if bias is not None and path.direct_forward:
+    pack_gqa = None  # FA4 decides
+    if bias is not None and path.direct_forward and path.prefetch == "tma":
+        tma_gap = _tma_bias_gap(q, mask, bias, seqlen_q, seqlen_k)
+        if tma_gap is None:
+            from . import forward_bias_tma
+            tma_slot = len(aux)
+            aux.append(forward_bias_tma.tma_view(bias))
+            heads = bias.shape[1]
+            head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
+            score_mod = forward_bias_tma.tma_bias_score_mod(
+                tma_slot, bias.shape[0] == 1, head_mode, CUTLASS_TYPE_NAMES[bias.dtype])
+            kernel = forward_bias_tma.tma_bias_kernel()
+            pack_gqa = False  # the bias warp reads one query head's rows per tile
+        else:
+            profile.log_fallback("attention", "the CuTe TMA bias forward",
+                                 "the direct-bias forward (registers or L2 prefetch)", tma_gap)
+            path = dataclasses.replace(path, prefetch=bias_path(q.shape[-1], causal, tma=False).prefetch)
+    if bias is not None and path.direct_forward and path.prefetch != "tma":
         from . import forward_bias
         contiguous = forward_bias.keys_contiguous(aux[BIAS_SLOT])
         if contiguous:
@@ -259,10 +280,27 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
         out, lse = plain._fa4()._flash_attn_fwd(
             q, k, v, softmax_scale=softmax_scale, causal=causal and mask is None,
             score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux,
-            block_sparse_tensors=lists, return_lse=True)[:2]
+            block_sparse_tensors=lists, return_lse=True, pack_gqa=pack_gqa)[:2]
     # rows with no visible key (the mask, causal with Sq > Sk, or a bias of -inf): FA4's -inf
     plain._empty_rows_to_plus_inf(lse)
     return out, lse
+
+
+def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
+    """None where the TMA bias forward (cute/forward_bias_tma.py) serves this call; else why not."""
+    from . import forward_bias_tma
+    if mask is not None:
+        return "it takes no mask"
+    if q.shape[-1] not in forward_bias_tma.TMA_HEAD_DIMS:
+        return (f"its two bias stages fit FA4's tiles at head dims "
+                f"{', '.join(map(str, forward_bias_tma.TMA_HEAD_DIMS))}, not {q.shape[-1]}")
+    if not forward_bias_tma.tma_ready(bias, seqlen_q, seqlen_k):
+        return ("TMA needs a 16-bit bias with full query and key dims, keys contiguous, other "
+                f"strides and the start 16-byte aligned (bias shape {tuple(bias.shape)}, strides "
+                f"{bias.stride()})")
+    if not forward_bias_tma.order_matches_fa4():
+        return "the installed FA4 walks key tiles in an order the bias warp does not repeat"
+    return None
 
 
 def _tile_lists(mask, shape, causal: bool, head_dim: int, key_major: bool):

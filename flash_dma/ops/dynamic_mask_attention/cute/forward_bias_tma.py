@@ -1,0 +1,296 @@
+"""The forward's bias on SM90 as tiles in shared memory, loaded by TMA from an idle producer warp.
+
+forward_bias.py adds the bias from global memory in each consumer thread, 4 bytes per load, on
+the softmax warps' path. Here the producer warpgroup's second warp (idle while warp 0 issues
+FA4's TMA loads of Q, K and V) walks the same key tiles as FA4's loop and loads each
+(query tile x key tile) block of the bias by TMA into a two-stage ring in shared memory, with its
+own mbarriers. Each consumer thread then reads its accumulator fragment's share with ldmatrix
+(the 8x8 ldmatrix fragment is the wgmma accumulator's: row lane/4, keys 2*(lane%4) and +1), adds
+it, and frees the stage. Out-of-range rows and keys (and FA4's key tile -1 under causal with
+Sq > Sk) arrive zero-filled; FA4 masks those lanes after this step.
+
+Kept from FA4 unchanged: every pipeline, the tile loops, softmax. Our subclass adds, without
+editing FA4's methods: the bias's TMA descriptor in __call__ (carried to the kernel at the end of
+the aux tensors), the ring and its mbarriers allocated and initialised in a kernel prologue
+that then runs FA4's own kernel body, a bias loop beside FA4's load, and the consumer step in
+apply_score_mod. The bias warp must visit key tiles in the order FA4's consumers do (dense
+walk: key tile n_max - 1 first, then downwards): `order_matches_fa4` checks FA4's source for
+that walk, and masked.py uses this class only where it holds.
+
+Serves: a 16-bit bias with full query and key dims (no mask, fixed lengths, FA4 not packing GQA),
+keys contiguous, every other stride a multiple of 16 bytes and a 16-byte-aligned start
+(`tma_ready`), head dims whose tiles leave room for two bias stages (`TMA_HEAD_DIMS`).
+"""
+# No `from __future__ import annotations` here: cute.struct and the DSL's argument passing read
+# the annotations as objects.
+import functools
+import hashlib
+import inspect
+from types import SimpleNamespace
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass.base_dsl.dsl import BaseDSL
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.utils import LayoutEnum
+from flash_attn.cute import pipeline as fa4_pipeline
+from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.utils import AuxData
+from quack import copy_utils, layout_utils, sm90_utils
+
+from . import forward_bias, hooks
+
+with open(__file__, "rb") as _source:
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
+
+BIAS_STAGES = 2
+# FA4 4.0.0b36's SM90 forward tiles: 192x128 at D64, 128x128 at D128 leave room for two bias
+# stages (189 KB and 225 KB of the 227 KB); D256's 128x80 leaves 2 KB.
+TMA_HEAD_DIMS = (64, 128)
+# TMA's rules for the global tensor: 16-byte-aligned start and strides (besides the unit one)
+TMA_ALIGN_BYTES = 16
+
+
+def tma_ready(bias: torch.Tensor, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether TMA can load this bias ([B|1, H|Hk|1, Sq, Sk], 16-bit) as it is in memory."""
+    if bias.dtype not in (torch.float16, torch.bfloat16) or bias.dim() != 4:
+        return False
+    if bias.shape[2] != seqlen_q or bias.shape[3] != seqlen_k or bias.stride(3) != 1:
+        return False
+    step = TMA_ALIGN_BYTES // bias.element_size()
+    strides_ok = all(bias.stride(d) % step == 0 and bias.stride(d) > 0
+                     for d in range(3) if bias.shape[d] > 1)
+    return strides_ok and bias.data_ptr() % TMA_ALIGN_BYTES == 0
+
+
+def tma_view(bias: torch.Tensor) -> torch.Tensor:
+    """The bias as the TMA descriptor reads it: its own [Bb, Hb, Sq, Sk] (no stride 0), a size-1
+    dim given the query dim's extent as stride (any multiple of 16 bytes serves: never stepped)."""
+    outer = bias.stride(2) * bias.shape[2]
+    strides = [outer if bias.shape[d] == 1 else bias.stride(d) for d in range(3)] + [1]
+    view = bias.detach().as_strided(bias.shape, strides, bias.storage_offset())
+    view.__leading_dim__ = 3
+    view.__assumed_align__ = TMA_ALIGN_BYTES
+    return view
+
+
+@functools.lru_cache(maxsize=None)
+def order_matches_fa4() -> bool:
+    """FA4's dense key walk, which the bias warp repeats: its consumers take key tile
+    n_block_max - 1 first, then n_block_max - 1 - n_tile downwards, and its load warp fetches K
+    in that order. Read from FA4's source (4.0.0b36's expressions), so that a changed walk turns
+    this path off instead of deadlocking it."""
+    load = inspect.getsource(FlashAttentionForwardSm90.load)
+    mma = inspect.getsource(FlashAttentionForwardSm90.mma)
+    return ("n_block = n_block_max - 1 - i - 1" in load and "n_block_max - 1 - n_tile" in mma
+            and "n_block=n_block_max - 1," in mma)
+
+
+@functools.lru_cache(maxsize=None)
+def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bias_dtype: str):
+    """The score_mod FA4 is given for a TMA-bias forward (never called: the class below replaces
+    the method that would). head_mode: "each" (one bias per query head), "kv" (per kv head) or
+    "shared" (one for all heads)."""
+    fn = hooks.bias_score_mod(0, False, 1)
+
+    @cute.jit
+    def score_mod(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return fn(score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors)
+
+    if head_mode not in ("each", "kv", "shared"):
+        raise ValueError(f"head_mode: expected each, kv or shared, got {head_mode!r}")
+    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype))
+    score_mod.__cute_hash__ = hashlib.sha256(
+        f"{_SOURCE_DIGEST}:tma:{tma_slot}:{batch_broadcast}:{head_mode}:{bias_dtype}".encode()).hexdigest()
+    return score_mod
+
+
+def _fa4_kernel_body():
+    """FA4's kernel body as a plain traced function (its AST rewriting applied), so our kernel
+    prologue can run it inline."""
+    body = FlashAttentionForwardSm90.kernel.__wrapped__
+    BaseDSL._preprocess_and_replace_code(body)
+    return body
+
+
+class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
+    """FA4's SM90 forward with the bias tile loaded by TMA into shared memory (module docstring)."""
+
+    def _tma_spec(self):
+        return getattr(self.score_mod, "tma_bias", None)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: Optional[cute.Tensor], softmax_scale: Float32,
+                 mCuSeqlensQ: Optional[cute.Tensor] = None, mCuSeqlensK: Optional[cute.Tensor] = None,
+                 mSeqUsedQ: Optional[cute.Tensor] = None, mSeqUsedK: Optional[cute.Tensor] = None,
+                 mPageTable: Optional[cute.Tensor] = None, window_size_left: Optional[Int32] = None,
+                 window_size_right: Optional[Int32] = None,
+                 learnable_sink: Optional[cute.Tensor] = None, blocksparse_tensors=None,
+                 aux_data: AuxData = AuxData(), mCuTotalMBlocks: Optional[cute.Tensor] = None,
+                 mCuTotalSplitsMBlocks: Optional[cute.Tensor] = None, stream: cuda.CUstream = None):
+        spec = self._tma_spec()
+        if const_expr(spec is not None):
+            bias = assume_tensor_aligned(aux_data.tensors[spec[0]])
+            # (Sq, Sk, Hb, Bb): FA4's mode order for its own tensors (rows, columns, head, batch)
+            bias = layout_utils.select(bias, [2, 3, 1, 0])
+            tile = (self.tile_m, self.tile_n)
+            self.sBias_layout = sm90_utils.make_smem_layout(bias.element_type, LayoutEnum.ROW_MAJOR,
+                                                            tile, BIAS_STAGES)
+            one_stage = cute.select(self.sBias_layout, mode=[0, 1])
+            atom, tma_bias = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), bias,
+                                                         one_stage, tile)
+            self.bias_tx_bytes = cute.size_in_bytes(bias.element_type, one_stage)
+            aux_data = AuxData((*aux_data.tensors, atom, tma_bias), aux_data.scalars)
+        FlashAttentionForwardSm90.__call__(
+            self, mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+            mSeqUsedK, mPageTable, window_size_left, window_size_right, learnable_sink,
+            blocksparse_tensors, aux_data, mCuTotalMBlocks, mCuTotalSplitsMBlocks, stream)
+
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+               mPageTable, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2,
+               softmax_scale, window_size_left, window_size_right, learnable_sink,
+               blocksparse_tensors, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout,
+               gmem_tiled_copy_Q, gmem_tiled_copy_K, gmem_tiled_copy_V, gmem_tiled_copy_O,
+               tiled_mma_qk, tiled_mma_pv, tile_sched_params, TileScheduler, SharedStorage,
+               aux_data, fastdiv_mods):
+        if const_expr(self._tma_spec() is not None):
+            self._bias_ring_init(aux_data, tiled_mma_qk)
+        _fa4_kernel_body()(
+            self, mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mPageTable, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2,
+            softmax_scale, window_size_left, window_size_right, learnable_sink,
+            blocksparse_tensors, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout,
+            gmem_tiled_copy_Q, gmem_tiled_copy_K, gmem_tiled_copy_V, gmem_tiled_copy_O,
+            tiled_mma_qk, tiled_mma_pv, tile_sched_params, TileScheduler, SharedStorage,
+            aux_data, fastdiv_mods)
+
+    def _bias_ring_init(self, aux_data: AuxData, tiled_mma_qk):
+        """The bias ring in shared memory and its pipeline (mbarriers initialised here, before
+        FA4's body fences and syncs its own), kept on self for the producer and consumer
+        branches of this kernel's trace."""
+        _, _, _, dtype = self._tma_spec()
+        layout = sm90_utils.make_smem_layout(dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n),
+                                             BIAS_STAGES)
+        ring_struct = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        barrier_struct = cute.struct.MemRange[Int64, 2 * BIAS_STAGES]
+
+        @cute.struct
+        class BiasRing:
+            full_and_empty: barrier_struct
+            tiles: ring_struct
+
+        ring = cutlass.utils.SmemAllocator().allocate(BiasRing)
+        threads = pipeline.Agent.Thread
+        bias_pipeline = fa4_pipeline.PipelineTmaAsync.create(
+            barrier_storage=ring.full_and_empty.data_ptr(), num_stages=BIAS_STAGES,
+            producer_group=pipeline.CooperativeGroup(threads, 1),
+            consumer_group=pipeline.CooperativeGroup(threads, self.num_mma_threads // cute.arch.WARP_SIZE),
+            tx_count=self.bias_tx_bytes, defer_sync=True)
+        self._bias_ring = SimpleNamespace(
+            pipeline=bias_pipeline, tiles=ring.tiles.get_tensor(layout.outer, swizzle=layout.inner),
+            atom=aux_data.tensors[-2], tensor=aux_data.tensors[-1], tiled_mma_qk=tiled_mma_qk)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k,
+             pipeline_v, pipeline_q, gmem_tiled_copy_Q, mPageTable, blocksparse_tensors,
+             block_info, SeqlenInfoCls, TileSchedulerCls):
+        if const_expr(self._tma_spec() is not None):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 1:
+                self._load_bias_tiles(block_info, SeqlenInfoCls, TileSchedulerCls)
+        FlashAttentionForwardSm90.load(
+            self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipeline_k,
+            pipeline_v, pipeline_q, gmem_tiled_copy_Q, mPageTable, blocksparse_tensors,
+            block_info, SeqlenInfoCls, TileSchedulerCls)
+
+    @cute.jit
+    def _load_bias_tiles(self, block_info, SeqlenInfoCls, TileSchedulerCls):
+        """The bias warp: for each work tile, the key tiles in FA4's order into the ring."""
+        # self._bias_ring is read where used, never held in a local: a local would be carried
+        # through the dynamic loop and its static fields (the stage count) staged
+        _, batch_broadcast, head_mode, _ = self._tma_spec()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, BIAS_STAGES)
+        tile_scheduler = TileSchedulerCls()
+        work_tile = tile_scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m_block, head_idx, batch_idx, _ = work_tile.tile_idx
+            seqlen = SeqlenInfoCls(batch_idx)
+            head = head_idx
+            if const_expr(head_mode == "kv"):
+                head = head_idx // self.qhead_per_kvhead
+            elif const_expr(head_mode == "shared"):
+                head = 0
+            batch = 0 if const_expr(batch_broadcast) else batch_idx
+            rows = cute.local_tile(self._bias_ring.tensor[None, None, head, batch],
+                                   (self.tile_m, self.tile_n), (m_block, None))
+            copy, _, _ = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
+                                                    rows, self._bias_ring.tiles)
+            copy = copy_utils.tma_producer_copy_fn(copy, self._bias_ring.pipeline)
+            n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            # like FA4's K: the first tile even where the range is empty (n_block -1 zero-fills)
+            self._bias_ring.pipeline.producer_acquire(state)
+            copy(src_idx=n_block_max - 1, producer_state=state)
+            state.advance()
+            for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                self._bias_ring.pipeline.producer_acquire(state)
+                copy(src_idx=n_block_max - 2 - i, producer_state=state)
+                state.advance()
+            tile_scheduler.prefetch_next_work()
+            tile_scheduler.advance_to_next_work()
+            work_tile = tile_scheduler.get_current_work()
+        self._bias_ring.pipeline.producer_tail(state)
+
+    @cute.jit
+    def mma_init(self):
+        forward_bias.DirectBiasForwardSm90.mma_init(self)
+        if const_expr(self._tma_spec() is not None):
+            _, _, _, dtype = self._tma_spec()
+            atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+            thread = cute.arch.thread_idx()[0] - self.num_threads_per_warp_group
+            self._bias_copy = cute.make_tiled_copy_C(atom, self._bias_ring.tiled_mma_qk).get_slice(thread)
+            self._bias_smem = self._bias_copy.partition_S(self._bias_ring.tiles)
+            # tiles this thread has taken from the ring: its stage and phase
+            self._bias_taken = cute.make_rmem_tensor(1, Int32)
+            self._bias_taken[0] = 0
+
+    @cute.jit
+    def apply_score_mod(self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block,
+                        softmax_scale, seqlen, aux_data: AuxData = AuxData(), fastdiv_mods=None):
+        if const_expr(self._tma_spec() is None):
+            forward_bias.DirectBiasForwardSm90.apply_score_mod(
+                self, thr_mma_qk, batch_idx, head_idx, m_block, acc_S, n_block, softmax_scale,
+                seqlen, aux_data, fastdiv_mods)
+        else:
+            taken = self._bias_taken[0]
+            stage = taken % BIAS_STAGES
+            self._bias_ring.pipeline.consumer_wait_w_index_phase(stage, (taken // BIAS_STAGES) % 2)
+            values = cute.make_rmem_tensor_like(acc_S, self._tma_spec()[3])
+            cute.copy(self._bias_copy, self._bias_smem[None, None, None, stage],
+                      self._bias_copy.retile(values))
+            bias = values.load().to(Float32)
+            for i in cutlass.range_constexpr(cute.size(acc_S.shape)):
+                acc_S[i] = acc_S[i] * softmax_scale + bias[i]
+            cute.arch.sync_warp()  # the whole warp's reads done before its arrival frees the stage
+            self._bias_ring.pipeline.consumer_release_w_index(stage)
+            self._bias_taken[0] = taken + 1
+
+
+# Our kernel prologue takes FA4's kernel arguments as they are: the same annotations (the DSL
+# reads them to pass each argument).
+TmaBiasForwardSm90.kernel.__wrapped__.__annotations__ = dict(
+    FlashAttentionForwardSm90.kernel.__wrapped__.__annotations__)
+
+
+def tma_bias_kernel():
+    """The swap for a TMA-bias forward."""
+    return forward_bias.fa4_class_swapped("FlashAttentionForwardSm90", TmaBiasForwardSm90)
+
+
+__all__ = ["TMA_HEAD_DIMS", "tma_ready", "tma_view", "order_matches_fa4", "tma_bias_score_mod",
+           "TmaBiasForwardSm90", "tma_bias_kernel"]
