@@ -6,7 +6,8 @@ compute-sanitizer (memcheck, racecheck):
 
 Plain attention (head dims 64/128/256, causal and not, GQA, ragged lengths, varlen with empty
 and one-token sequences), a tile-sparse mask, fully masked rows, and with --cute-bias a dense
-and a head-broadcast bias (dbias stored and atomic). Shapes are tiny: the tools slow kernels by
+and a head-broadcast bias (dbias stored and atomic), and the forward's bias by TMA
+(cute/forward_bias_tma.py). Shapes are tiny: the tools slow kernels by
 orders of magnitude. Each case also checks the forward against the fp64 reference (a
 sanitizer run that computes garbage is not a clean run). Prints one line per case.
 """
@@ -88,6 +89,14 @@ def main() -> int:
         cases.append(("bias [1,Hk,Sq,Sk] (atomic dbias) D128 causal",
                       lambda: fixed_case(128, True, 4, 2, 197, 133,
                                          bias=torch.randn(1, 2, 197, 133, device="cuda", dtype=torch.bfloat16))))
+
+        def tma(D, causal, Sq, Sk, heads):
+            with overrides(attention_cute_bias_prefetch="tma"):
+                return fixed_case(D, causal, 4, 2, Sq, Sk,
+                                  bias=torch.randn(2, heads, Sq, Sk, device="cuda", dtype=torch.bfloat16))
+        cases.append(("bias by TMA [B,H,Sq,Sk] D128 causal Sq300 Sk104 (key tile -1)",
+                      lambda: tma(128, True, 300, 104, 4)))
+        cases.append(("bias by TMA [B,Hk,Sq,Sk] D64 Sq197 Sk136", lambda: tma(64, False, 197, 136, 2)))
     if args.only:
         cases = [case for case in cases if args.only in case[0]]
     bad = 0

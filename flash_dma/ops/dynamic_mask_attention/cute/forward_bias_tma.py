@@ -54,6 +54,10 @@ BIAS_STAGES = 2
 TMA_HEAD_DIMS = (64, 128)
 # TMA's rules for the global tensor: 16-byte-aligned start and strides (besides the unit one)
 TMA_ALIGN_BYTES = 16
+# The L2 eviction-priority operand of a TMA load (PTX createpolicy's encoding of evict_first for
+# the whole line, as CUTLASS's CacheHintSm90 spells it): each bias tile is read once, so it need
+# not push K and V, which every query tile of a head reads, out of L2.
+L2_EVICT_FIRST = 0x12F0000000000000
 
 
 def tma_ready(bias: torch.Tensor, seqlen_q: int, seqlen_k: int) -> bool:
@@ -92,10 +96,11 @@ def order_matches_fa4() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bias_dtype: str):
+def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bias_dtype: str,
+                       evict_first: bool = False):
     """The score_mod FA4 is given for a TMA-bias forward (never called: the class below replaces
     the method that would). head_mode: "each" (one bias per query head), "kv" (per kv head) or
-    "shared" (one for all heads)."""
+    "shared" (one for all heads); evict_first: the bias loads carry L2_EVICT_FIRST."""
     fn = hooks.bias_score_mod(0, False, 1)
 
     @cute.jit
@@ -104,9 +109,10 @@ def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bia
 
     if head_mode not in ("each", "kv", "shared"):
         raise ValueError(f"head_mode: expected each, kv or shared, got {head_mode!r}")
-    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype))
+    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype), evict_first)
     score_mod.__cute_hash__ = hashlib.sha256(
-        f"{_SOURCE_DIGEST}:tma:{tma_slot}:{batch_broadcast}:{head_mode}:{bias_dtype}".encode()).hexdigest()
+        f"{_SOURCE_DIGEST}:tma:{tma_slot}:{batch_broadcast}:{head_mode}:{bias_dtype}:{evict_first}"
+        .encode()).hexdigest()
     return score_mod
 
 
@@ -175,7 +181,7 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
         """The bias ring in shared memory and its pipeline (mbarriers initialised here, before
         FA4's body fences and syncs its own), kept on self for the producer and consumer
         branches of this kernel's trace."""
-        _, _, _, dtype = self._tma_spec()
+        dtype = self._tma_spec()[3]
         layout = sm90_utils.make_smem_layout(dtype, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n),
                                              BIAS_STAGES)
         ring_struct = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
@@ -214,7 +220,8 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
         """The bias warp: for each work tile, the key tiles in FA4's order into the ring."""
         # self._bias_ring is read where used, never held in a local: a local would be carried
         # through the dynamic loop and its static fields (the stage count) staged
-        _, batch_broadcast, head_mode, _ = self._tma_spec()
+        _, batch_broadcast, head_mode, _, evict_first = self._tma_spec()
+        hint = {"cache_policy": Int64(L2_EVICT_FIRST)} if const_expr(evict_first) else {}
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, BIAS_STAGES)
         tile_scheduler = TileSchedulerCls()
         work_tile = tile_scheduler.initial_work_tile_info()
@@ -235,11 +242,11 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             # like FA4's K: the first tile even where the range is empty (n_block -1 zero-fills)
             self._bias_ring.pipeline.producer_acquire(state)
-            copy(src_idx=n_block_max - 1, producer_state=state)
+            copy(src_idx=n_block_max - 1, producer_state=state, **hint)
             state.advance()
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                 self._bias_ring.pipeline.producer_acquire(state)
-                copy(src_idx=n_block_max - 2 - i, producer_state=state)
+                copy(src_idx=n_block_max - 2 - i, producer_state=state, **hint)
                 state.advance()
             tile_scheduler.prefetch_next_work()
             tile_scheduler.advance_to_next_work()
@@ -250,7 +257,7 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
     def mma_init(self):
         forward_bias.DirectBiasForwardSm90.mma_init(self)
         if const_expr(self._tma_spec() is not None):
-            _, _, _, dtype = self._tma_spec()
+            dtype = self._tma_spec()[3]
             atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
             thread = cute.arch.thread_idx()[0] - self.num_threads_per_warp_group
             self._bias_copy = cute.make_tiled_copy_C(atom, self._bias_ring.tiled_mma_qk).get_slice(thread)

@@ -69,6 +69,9 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
                "(\"tma\", a bias with full query and key dims) whole tiles into shared memory by "
                "TMA from a producer warp (cute/forward_bias_tma.py); auto: registers at head dim "
                "128 without causal, L2 elsewhere")
+declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
+               "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
+               "K and V resident")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -85,8 +88,9 @@ class BiasPath:
     plan carries it; masked.forward/backward read nothing else)."""
     direct_forward: bool
     pairs: bool  # still subject to the bias's layout (forward_bias.keys_contiguous)
-    prefetch: str  # "none", "L2", "L1" or "registers"
+    prefetch: str  # "none", "L2", "L1", "registers" or "tma"
     direct_backward: bool
+    tma_evict_first: bool = False
 
 
 def bias_path(head_dim: int, causal: bool, tma: bool = True) -> BiasPath:
@@ -98,7 +102,8 @@ def bias_path(head_dim: int, causal: bool, tma: bool = True) -> BiasPath:
         prefetch = "registers" if registers else "L2"
     return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
                     prefetch=prefetch,
-                    direct_backward=choice("attention_cute_direct_bias_backward").value)
+                    direct_backward=choice("attention_cute_direct_bias_backward").value,
+                    tma_evict_first=choice("attention_cute_bias_tma_evict_first").value)
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -259,7 +264,8 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
             heads = bias.shape[1]
             head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
             score_mod = forward_bias_tma.tma_bias_score_mod(
-                tma_slot, bias.shape[0] == 1, head_mode, CUTLASS_TYPE_NAMES[bias.dtype])
+                tma_slot, bias.shape[0] == 1, head_mode, CUTLASS_TYPE_NAMES[bias.dtype],
+                path.tma_evict_first)
             kernel = forward_bias_tma.tma_bias_kernel()
             pack_gqa = False  # the bias warp reads one query head's rows per tile
         else:
