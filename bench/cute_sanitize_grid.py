@@ -93,7 +93,7 @@ def main() -> int:
         def tma(D, causal, Sq, Sk, heads):
             with overrides(attention_cute_bias_prefetch="tma"):
                 return fixed_case(D, causal, 4, 2, Sq, Sk,
-                                  bias=torch.randn(2, heads, Sq, Sk, device="cuda", dtype=torch.bfloat16))
+                                  bias=torch.randn(1, heads, Sq, Sk, device="cuda", dtype=torch.bfloat16))
         cases.append(("bias by TMA [B,H,Sq,Sk] D128 causal Sq300 Sk104 (key tile -1)",
                       lambda: tma(128, True, 300, 104, 4)))
         cases.append(("bias by TMA [B,Hk,Sq,Sk] D64 Sq197 Sk136", lambda: tma(64, False, 197, 136, 2)))

@@ -29,7 +29,8 @@ from ...runtime.config import Chosen, LaunchConfig, ceil_div, choice, config_nam
     head_dim_block, overridden
 from ...runtime.hardware import device_info
 from . import sparsity
-from .cute.masked import BiasPath, backward_gap as masked_backward_gap, bias_path, dbias_reduce
+from .cute.masked import BiasPath, backward_gap as masked_backward_gap, bias_path, dbias_reduce, \
+    tma_layout
 from .cute.select import BACKEND_CHOICES, auto_backward_on_triton, bias_layout, choose_backend, \
     requested_backend
 from .launch_table import select_config
@@ -246,7 +247,8 @@ def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend:
 def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
     backend = _backend(pb, q, mask, bias)
     if backend.value == "cute":
-        path = bias_path(pb.head_dim, pb.is_causal) if bias is not None else None
+        path = (bias_path(pb.head_dim, pb.is_causal, tma_layout(mask, bias))
+                if bias is not None else None)
         if profile.active():
             _log_cute("fwd", pb, q.device, mask, bias, backend, path)
         return CutePlan(backend, pb, bias_path=path, chosen_by_auto=_requested()[0] == "auto")

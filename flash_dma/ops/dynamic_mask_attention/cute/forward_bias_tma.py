@@ -19,7 +19,7 @@ that walk, and masked.py uses this class only where it holds.
 
 Serves: a 16-bit bias with full query and key dims (no mask, fixed lengths, FA4 not packing GQA),
 keys contiguous, every other stride a multiple of 16 bytes and a 16-byte-aligned start
-(`tma_ready`), head dims whose tiles leave room for two bias stages (`TMA_HEAD_DIMS`).
+(`tma_ready`), head dims whose tiles leave room for two bias stages (masked.TMA_BIAS_HEAD_DIMS).
 """
 # No `from __future__ import annotations` here: cute.struct and the DSL's argument passing read
 # the annotations as objects.
@@ -48,10 +48,7 @@ from . import forward_bias, hooks
 with open(__file__, "rb") as _source:
     _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
 
-BIAS_STAGES = 2
-# FA4 4.0.0b36's SM90 forward tiles: 192x128 at D64, 128x128 at D128 leave room for two bias
-# stages (189 KB and 225 KB of the 227 KB); D256's 128x80 leaves 2 KB.
-TMA_HEAD_DIMS = (64, 128)
+BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (225 KB of 227 at D128)
 # TMA's rules for the global tensor: 16-byte-aligned start and strides (besides the unit one)
 TMA_ALIGN_BYTES = 16
 # The L2 eviction-priority operand of a TMA load (PTX createpolicy's encoding of evict_first for
@@ -299,5 +296,5 @@ def tma_bias_kernel():
     return forward_bias.fa4_class_swapped("FlashAttentionForwardSm90", TmaBiasForwardSm90)
 
 
-__all__ = ["TMA_HEAD_DIMS", "tma_ready", "tma_view", "order_matches_fa4", "tma_bias_score_mod",
+__all__ = ["tma_ready", "tma_view", "order_matches_fa4", "tma_bias_score_mod",
            "TmaBiasForwardSm90", "tma_bias_kernel"]

@@ -67,8 +67,8 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
                "the direct-bias forward prefetches the next key tile's bias: its lines to this "
                "cache level, or (\"registers\", with paired loads) its values into registers, or "
                "(\"tma\", a bias with full query and key dims) whole tiles into shared memory by "
-               "TMA from a producer warp (cute/forward_bias_tma.py); auto: registers at head dim "
-               "128 without causal, L2 elsewhere")
+               "TMA from a producer warp (cute/forward_bias_tma.py); auto: tma for such a bias at "
+               "head dims 64 and 128, else registers at head dim 128 without causal, else L2")
 declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
                "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
                "K and V resident")
@@ -80,6 +80,10 @@ declare_choice("attention_cute_bias_pairs", True, (False, True),
 # dim 128 without causal (ptxas), where it led the L2 prefetch; at 64 and 256, and causal at 128,
 # its spills made it slower (bench/results/cute-bias-NVIDIA-H200-20261126.txt, -H100-...).
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
+# The TMA bias forward: FA4 4.0.0b36's SM90 forward tiles leave room for two bias stages at
+# these head dims (192x128 at D64, 128x128 at D128; D256's 128x80 leaves 2 KB); it led the
+# register and L2 forms at both (bench/results/cute-bias-tma-NVIDIA-H100-80GB-HBM3-20261126.txt).
+TMA_BIAS_HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +97,14 @@ class BiasPath:
     tma_evict_first: bool = False
 
 
-def bias_path(head_dim: int, causal: bool, tma: bool = True) -> BiasPath:
-    """tma=False: the form auto picks where the TMA form cannot serve a call."""
+def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
+    """tma_layout: the bias has full query and key dims and comes without a mask, what the TMA
+    form needs besides alignment (masked.forward checks that, and falls back logged)."""
     prefetch = choice("attention_cute_bias_prefetch").value
     pairs = choice("attention_cute_bias_pairs").value
-    if prefetch == "auto" or (prefetch == "tma" and not tma):
+    if prefetch == "auto" and tma_layout and head_dim in TMA_BIAS_HEAD_DIMS:
+        prefetch = "tma"
+    elif prefetch == "auto" or (prefetch == "tma" and not tma_layout):
         registers = head_dim in REGISTER_PREFETCH_HEAD_DIMS and not causal and pairs
         prefetch = "registers" if registers else "L2"
     return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
@@ -242,7 +249,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
             path: BiasPath | None = None):
     """q [B, Sq, H, D], k/v [B, Sk, Hk, D], mask bool and bias broadcastable to [B, H, Sq, Sk]
     (checked by the caller, `feature_gap` None) -> (out like q, lse fp32 [B, H, Sq], +inf for
-    rows that see no key). path: how the bias is taken (`bias_path(head_dim, causal)` when None)."""
+    rows that see no key). path: how the bias is taken (`bias_path` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:  # no key anywhere (or no row): nothing to launch
         out = torch.zeros_like(q)
@@ -253,7 +260,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1], causal)
+        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias))
     pack_gqa = None  # FA4 decides
     if bias is not None and path.direct_forward and path.prefetch == "tma":
         tma_gap = _tma_bias_gap(q, mask, bias, seqlen_q, seqlen_k)
@@ -271,7 +278,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
         else:
             profile.log_fallback("attention", "the CuTe TMA bias forward",
                                  "the direct-bias forward (registers or L2 prefetch)", tma_gap)
-            path = dataclasses.replace(path, prefetch=bias_path(q.shape[-1], causal, tma=False).prefetch)
+            path = dataclasses.replace(path, prefetch=bias_path(q.shape[-1], causal, False).prefetch)
     if bias is not None and path.direct_forward and path.prefetch != "tma":
         from . import forward_bias
         contiguous = forward_bias.keys_contiguous(aux[BIAS_SLOT])
@@ -292,14 +299,19 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     return out, lse
 
 
+def tma_layout(mask, bias) -> bool:
+    """Whether a call's bias has the layout the TMA bias forward takes (bias_path)."""
+    return mask is None and bias is not None and bias.shape[-2] > 1 and bias.shape[-1] > 1
+
+
 def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
     """None where the TMA bias forward (cute/forward_bias_tma.py) serves this call; else why not."""
     from . import forward_bias_tma
     if mask is not None:
         return "it takes no mask"
-    if q.shape[-1] not in forward_bias_tma.TMA_HEAD_DIMS:
+    if q.shape[-1] not in TMA_BIAS_HEAD_DIMS:
         return (f"its two bias stages fit FA4's tiles at head dims "
-                f"{', '.join(map(str, forward_bias_tma.TMA_HEAD_DIMS))}, not {q.shape[-1]}")
+                f"{', '.join(map(str, TMA_BIAS_HEAD_DIMS))}, not {q.shape[-1]}")
     if not forward_bias_tma.tma_ready(bias, seqlen_q, seqlen_k):
         return ("TMA needs a 16-bit bias with full query and key dims, keys contiguous, other "
                 f"strides and the start 16-byte aligned (bias shape {tuple(bias.shape)}, strides "
@@ -326,7 +338,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
     """Gradients of `forward` -> (dq, dk, dv, dbias or None). dbias_mode: None (no dbias),
     "store" or "atomic" (`dbias_reduce`); `backward_gap` must have been None (so with
     deterministic=True there is no mask and no atomic dbias: FA4 orders its dq and dk/dv sums).
-    path: how the bias is taken (`bias_path(head_dim, causal)` when None)."""
+    path: how the bias is taken (`bias_path` when None)."""
     batch, num_heads, seqlen_q, seqlen_k = shape = _problem_shape(q, k)
     if seqlen_q == 0 or seqlen_k == 0:
         dbias = torch.zeros_like(bias) if dbias_mode is not None else None
@@ -341,7 +353,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                                                 group_size=num_heads // k.shape[2])
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1], causal)
+        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias))
     if bias is not None and path.direct_backward:
         from . import backward_bias, forward_bias
         slots = (BIAS_SLOT, DBIAS_SLOT) if buffer is not None else (BIAS_SLOT,)

@@ -123,15 +123,22 @@ def test_bias_layout_names_the_layouts_auto_reads():
     assert bias_layout(torch.zeros(2, 4, 32, 64)) is None  # fp32
 
 
-@pytest.mark.parametrize("prefetch, head_dim, causal, pairs, expected", [
-    ("auto", 128, False, True, "registers"), ("auto", 128, True, True, "L2"),
-    ("auto", 64, False, True, "L2"), ("auto", 256, False, True, "L2"),
-    ("auto", 128, False, False, "L2"), ("L1", 128, False, True, "L1"),
-    ("registers", 64, True, True, "registers")])
-def test_bias_path_resolves_the_prefetch(prefetch, head_dim, causal, pairs, expected):
+@pytest.mark.parametrize("prefetch, head_dim, causal, pairs, tma_layout, expected", [
+    ("auto", 128, False, True, False, "registers"), ("auto", 128, True, True, False, "L2"),
+    ("auto", 64, False, True, False, "L2"), ("auto", 256, False, True, False, "L2"),
+    ("auto", 128, False, False, False, "L2"), ("L1", 128, False, True, False, "L1"),
+    ("registers", 64, True, True, False, "registers"),
+    ("auto", 128, False, True, True, "tma"), ("auto", 64, True, True, True, "tma"),
+    ("auto", 256, False, True, True, "L2"), ("tma", 128, False, True, False, "registers"),
+    ("tma", 256, False, True, True, "tma")])
+def test_bias_path_resolves_the_prefetch(prefetch, head_dim, causal, pairs, tma_layout, expected):
+    """auto takes TMA tiles for a bias with full query and key dims at the TMA head dims, the
+    register prefetch at D128 without causal, else L2; a forced "tma" without that layout takes
+    auto's other form (a forced one at another head dim stays, for masked.forward to refuse,
+    logged)."""
     from flash_dma.ops.dynamic_mask_attention.cute.masked import bias_path
     with config.overrides(attention_cute_bias_prefetch=prefetch, attention_cute_bias_pairs=pairs):
-        path = bias_path(head_dim, causal)
+        path = bias_path(head_dim, causal, tma_layout)
     assert path.prefetch == expected and path.pairs == pairs
     assert path.direct_forward and path.direct_backward  # the defaults
 
@@ -412,7 +419,7 @@ def test_auto_plans_a_dense_bias_where_each_pass_measured_faster(status, caplog,
         assert isinstance(fwd, ForwardPlan) and isinstance(bwd, BackwardPlan)
         return
     assert isinstance(fwd, CutePlan) and fwd.bias_path is not None
-    assert fwd.bias_path.prefetch == ("registers" if head_dim == 128 else "L2")
+    assert fwd.bias_path.prefetch == ("tma" if head_dim == 128 else "L2")
     if backward == "cute":
         assert isinstance(bwd, CutePlan) and bwd.bias_path == fwd.bias_path
     else:
@@ -438,3 +445,12 @@ def test_the_backward_follows_the_forwards_request(status):
     assert isinstance(fwd, CutePlan) and fwd.chosen_by_auto
     with config.overrides(attention_backend="cute"):
         assert isinstance(plan_backward(fwd, q, None, bias, True, False), BackwardPlan)
+
+
+def test_tma_layout_is_a_full_bias_without_a_mask():
+    from flash_dma.ops.dynamic_mask_attention.cute.masked import tma_layout
+    bias = torch.zeros(2, 4, 32, 64, dtype=torch.bfloat16)
+    assert tma_layout(None, bias)
+    assert not tma_layout(torch.ones(2, 1, 32, 64, dtype=torch.bool), bias)
+    assert not tma_layout(None, bias[:, :, :1]) and not tma_layout(None, bias[..., :1])
+    assert not tma_layout(None, None)
