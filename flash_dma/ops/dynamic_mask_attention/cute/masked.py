@@ -68,7 +68,8 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
                "cache level, or (\"registers\", with paired loads) its values into registers, or "
                "(\"tma\", a bias with full query and key dims) whole tiles into shared memory by "
                "TMA from a producer warp (cute/forward_bias_tma.py); auto: tma for such a bias at "
-               "head dims 64 and 128, else registers at head dim 128 without causal, else L2")
+               "head dims 64 and 128 without causal, else registers at head dim 128 without "
+               "causal, else L2")
 declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
                "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
                "K and V resident")
@@ -82,7 +83,10 @@ declare_choice("attention_cute_bias_pairs", True, (False, True),
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
 # The TMA bias forward: FA4 4.0.0b36's SM90 forward tiles leave room for two bias stages at
 # these head dims (192x128 at D64, 128x128 at D128; D256's 128x80 leaves 2 KB); it led the
-# register and L2 forms at both (bench/results/cute-bias-tma-NVIDIA-H100-80GB-HBM3-20261126.txt).
+# register and L2 forms at both without causal (bench/results/cute-bias-tma-NVIDIA-H100-80GB-HBM3-
+# 20261126.txt). Under causal its times scattered between runs of one process (D128: 0.32 to
+# 0.53 ms against the L2 form's steady 0.41), so auto keeps causal calls on the L2 form until that
+# is understood.
 TMA_BIAS_HEAD_DIMS = (64, 128)
 
 
@@ -102,7 +106,7 @@ def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
     form needs besides alignment (masked.forward checks that, and falls back logged)."""
     prefetch = choice("attention_cute_bias_prefetch").value
     pairs = choice("attention_cute_bias_pairs").value
-    if prefetch == "auto" and tma_layout and head_dim in TMA_BIAS_HEAD_DIMS:
+    if prefetch == "auto" and tma_layout and head_dim in TMA_BIAS_HEAD_DIMS and not causal:
         prefetch = "tma"
     elif prefetch == "auto" or (prefetch == "tma" and not tma_layout):
         registers = head_dim in REGISTER_PREFETCH_HEAD_DIMS and not causal and pairs

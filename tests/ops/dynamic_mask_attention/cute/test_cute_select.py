@@ -128,12 +128,13 @@ def test_bias_layout_names_the_layouts_auto_reads():
     ("auto", 64, False, True, False, "L2"), ("auto", 256, False, True, False, "L2"),
     ("auto", 128, False, False, False, "L2"), ("L1", 128, False, True, False, "L1"),
     ("registers", 64, True, True, False, "registers"),
-    ("auto", 128, False, True, True, "tma"), ("auto", 64, True, True, True, "tma"),
+    ("auto", 128, False, True, True, "tma"), ("auto", 64, False, True, True, "tma"),
+    ("auto", 64, True, True, True, "L2"), ("auto", 128, True, True, True, "L2"),
     ("auto", 256, False, True, True, "L2"), ("tma", 128, False, True, False, "registers"),
     ("tma", 256, False, True, True, "tma")])
 def test_bias_path_resolves_the_prefetch(prefetch, head_dim, causal, pairs, tma_layout, expected):
-    """auto takes TMA tiles for a bias with full query and key dims at the TMA head dims, the
-    register prefetch at D128 without causal, else L2; a forced "tma" without that layout takes
+    """auto takes TMA tiles for a bias with full query and key dims at the TMA head dims without
+    causal, the register prefetch at D128 without causal, else L2; a forced "tma" without that layout takes
     auto's other form (a forced one at another head dim stays, for masked.forward to refuse,
     logged)."""
     from flash_dma.ops.dynamic_mask_attention.cute.masked import bias_path
