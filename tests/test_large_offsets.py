@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -30,9 +31,27 @@ PAST = 1 << 20  # tokens (or batch x length) in front of the checked sequences
 GIB = 1 << 30
 
 
+# How long a large test waits for other processes (xdist workers beside it) to free the memory
+# it needs before it skips, saying so
+FREE_MEMORY_WAIT_S = 120
+
+
+def _wait_for_free_memory(gib_needed: int) -> None:
+    deadline = time.monotonic() + FREE_MEMORY_WAIT_S
+    while True:
+        free = torch.cuda.mem_get_info()[0]
+        if free >= gib_needed * GIB:
+            return
+        if time.monotonic() > deadline:
+            pytest.skip(f"needs about {gib_needed} GiB of free GPU memory; other processes left "
+                        f"{free / GIB:.0f} GiB for {FREE_MEMORY_WAIT_S} s (run it alone)")
+        time.sleep(2)
+
+
 @contextlib.contextmanager
 def large_memory(gib_needed: int):
-    """One large-memory test at a time on this machine; skip where the GPU cannot hold it."""
+    """One large-memory test at a time on this machine; skip where the GPU cannot hold it, or
+    where other processes keep the memory it needs."""
     total = torch.cuda.get_device_properties(0).total_memory
     if total < gib_needed * GIB:
         pytest.skip(f"needs about {gib_needed} GiB of GPU memory, this GPU has {total / GIB:.0f}")
@@ -41,6 +60,7 @@ def large_memory(gib_needed: int):
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             torch.cuda.empty_cache()
+            _wait_for_free_memory(gib_needed)
             torch.cuda.reset_peak_memory_stats()
             yield
             print(f"peak GPU memory {torch.cuda.max_memory_allocated() / GIB:.1f} GiB")
