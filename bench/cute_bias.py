@@ -9,7 +9,8 @@ FlexAttention, bf16, one process:
   writing dbias the same way (cute/backward_bias.py); direct-no-pairs, direct-no-prefetch,
   direct-L1, direct-L2, direct-registers and direct-tma (whole bias tiles by TMA into shared
   memory, cute/forward_bias_tma.py) change one forward choice; hooks-backward puts
-  FA4's per-element hooks back in the backward;
+  FA4's per-element hooks back in the backward; dbias-tma stores dbias by TMA from FA4's shared
+  dS tile (cute/backward_dbias_tma.py);
 - cute-hook: both passes through FA4's per-element score_mod hooks (hooks.py);
 - auto: what a call gets by default (the backend and paths select.py picks);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
@@ -61,6 +62,7 @@ VARIANTS = {
     "tma-evict-first": ("cute", dict(DIRECT, attention_cute_bias_prefetch="tma",
                                      attention_cute_bias_tma_evict_first=True)),
     "hooks-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=False)),
+    "dbias-tma": ("cute", dict(DIRECT, attention_cute_dbias_tma=True)),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False,
                                attention_cute_direct_bias_backward=False)),
     "auto": ("auto", {}),

@@ -588,6 +588,35 @@ def test_gpu_cute_bias_forward_tma(on_cute, caplog, heads_batch, head_dim, seqle
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_k", [256, 1032, 104])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cute_dbias_stored_by_tma(on_cute, caplog, head_dim, seqlen_k, causal):
+    """dbias stored by TMA from FA4's shared dS tile (cute/backward_dbias_tma.py): dq, dk, dv and
+    dbias against the fp64 reference, and equal to the fragment-store path's (the same bf16
+    values reach memory, and dk, dv: dq sums across blocks in no fixed order); Sq 300 leaves a
+    partial query tile, Sk 104 < Sq query tiles with no key under causal; GQA; no fallback
+    logged."""
+    dtype = torch.bfloat16
+    B, Sq, H, Hk = 2, 300, 4, 2
+    q, k, v, _, bias = make_inputs(B, Sq, seqlen_k, H, Hk, head_dim, dtype, None, (B, H, Sq, seqlen_k))
+    grads = {}
+    for tma in (True, False):
+        with caplog.at_level("WARNING", logger="flash_dma"), \
+                config.overrides(attention_cute_dbias_tma=tma):
+            if tma:
+                check_against_reference(q, k, v, None, bias, causal, dtype)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+            out = flash_dma_func(*leaves[:3], attn_bias=leaves[3], is_causal=causal)
+            grads[tma] = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert not any("TMA dbias" in r.getMessage() for r in caplog.records), caplog.text
+    assert on_cute.count(("bwd", "cute")) == 3
+    (dq, dk, dv, dbias), (dq_ref, dk_ref, dv_ref, dbias_ref) = grads[True], grads[False]
+    assert torch.equal(dbias, dbias_ref) and torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
+    assert (dq.double() - dq_ref.double()).norm() <= 1e-2 * dq_ref.double().norm()
+
+
+@pytest.mark.gpu
 def test_gpu_cute_bias_forward_tma_falls_back_where_tma_cannot_load(on_cute, caplog, monkeypatch):
     """A key count whose rows are not 16-byte aligned (Sk 257): the direct forward runs instead,
     logged, and the output is right."""

@@ -73,6 +73,10 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
 declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
                "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
                "K and V resident")
+declare_choice("attention_cute_dbias_tma", False, (False, True),
+               "the CuTe backward stores dbias by TMA from the dS tile FA4 keeps in shared memory "
+               "(cute/backward_dbias_tma.py; one writer per entry, keys a multiple of 8); off: "
+               "not yet run on a GPU")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -88,6 +92,9 @@ REGISTER_PREFETCH_HEAD_DIMS = (128,)
 # 0.53 ms against the L2 form's steady 0.41), so auto keeps causal calls on the L2 form until that
 # is understood.
 TMA_BIAS_HEAD_DIMS = (64, 128)
+# The TMA dbias store: FA4 4.0.0b36's SM90 backward double-buffers its dS tile at these head dims
+# (the store's wait and the tile's next write are two rounds apart).
+TMA_DBIAS_HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +106,7 @@ class BiasPath:
     prefetch: str  # "none", "L2", "L1", "registers" or "tma"
     direct_backward: bool
     tma_evict_first: bool = False
+    dbias_tma: bool = False
 
 
 def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
@@ -114,7 +122,8 @@ def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
     return BiasPath(direct_forward=choice("attention_cute_direct_bias").value, pairs=pairs,
                     prefetch=prefetch,
                     direct_backward=choice("attention_cute_direct_bias_backward").value,
-                    tma_evict_first=choice("attention_cute_bias_tma_evict_first").value)
+                    tma_evict_first=choice("attention_cute_bias_tma_evict_first").value,
+                    dbias_tma=choice("attention_cute_dbias_tma").value)
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -325,6 +334,21 @@ def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
     return None
 
 
+def _tma_dbias_gap(q, mask, buffer, seqlen_q: int, seqlen_k: int) -> str | None:
+    """None where the TMA dbias store (cute/backward_dbias_tma.py) serves this call; else why not."""
+    from . import forward_bias_tma
+    if mask is not None:
+        return "it takes no mask"
+    if q.shape[-1] not in TMA_DBIAS_HEAD_DIMS:
+        return (f"FA4 double-buffers dS at head dims {', '.join(map(str, TMA_DBIAS_HEAD_DIMS))}, "
+                f"not {q.shape[-1]}")
+    if buffer.dtype != q.dtype:
+        return f"FA4's dS tile is {q.dtype}, dbias is {buffer.dtype}"
+    if not forward_bias_tma.tma_ready(buffer, seqlen_q, seqlen_k):
+        return f"TMA needs 16-byte aligned dbias rows (keys {seqlen_k}, a multiple of 8)"
+    return None
+
+
 def _tile_lists(mask, shape, causal: bool, head_dim: int, key_major: bool):
     """FA4's tile lists of a mask (None without one): query-major at the forward's key tile,
     key-major at the backward's."""
@@ -369,6 +393,16 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
             DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
         kernel = backward_bias.direct_bias_backward_kernel()
+        if path.dbias_tma and dbias_mode == "store":
+            gap = _tma_dbias_gap(q, mask, buffer, seqlen_q, seqlen_k)
+            if gap is None:
+                from . import backward_dbias_tma, forward_bias_tma
+                aux.append(forward_bias_tma.tma_view(buffer))
+                score_mod_bwd = backward_dbias_tma.tma_dbias_score_mod_bwd(len(aux) - 1)
+                kernel = backward_dbias_tma.tma_dbias_backward_kernel()
+            else:
+                profile.log_fallback("attention", "the CuTe TMA dbias store",
+                                     "dbias stored from the score fragments", gap)
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=True)
     with device_guard(q.device), kernel:
         dq, dk, dv = plain._fa4()._flash_attn_bwd(

@@ -5,7 +5,7 @@ before FA4 is imported) over variants that between them cover the feature flags:
 causal GQA varlen, plain fp16 D256 non-causal fixed-length deterministic, and the mask/bias hooks
 (cute/masked.py): mask + full bias (stored dbias) and a bias per kv head (atomic dbias, grouped
 heads) at bf16 D128 causal GQA, and both again without causal, keys a multiple of 8 (the bias by
-TMA); a
+TMA, dbias stored by TMA); a
 batch-shared bias at fp16 D64; a key-wise mask per kv head at bf16 D256 causal. The full grid is `python bench/cute_cpu_compile_check.py` (add --pairs for the
 mask/bias variants). Skipped where the hopper extra is not installed.
 """
@@ -29,9 +29,11 @@ VARIANTS = {
     "fp16-D64-batch-shared-bias": (["--dims", "64", "--dtypes", "fp16", "--causal", "0", "--gqa", "1",
                                     "--varlen", "0", "--pairs", "bias-shared"], 1),
     # keys a multiple of 8: the forward takes the bias by TMA (cute/forward_bias_tma.py), the
-    # backward the direct form; GQA with the bias per query head and per kv head
+    # backward the direct form with dbias stored by TMA where it has one writer per entry
+    # (cute/backward_dbias_tma.py); GQA with the bias per query head and per kv head
     "bf16-D128-gqa-tma-bias": (["--dims", "128", "--dtypes", "bf16", "--causal", "0", "--gqa", "4",
-                                "--varlen", "0", "--pairs", "bias,bias-shared", "--key-multiple", "8"], 2),
+                                "--varlen", "0", "--pairs", "bias,bias-shared", "--key-multiple", "8",
+                                "--choices", "attention_cute_dbias_tma=True"], 2),
     "bf16-D256-causal-gqa-keywise-mask": (["--dims", "256", "--dtypes", "bf16", "--causal", "1", "--gqa", "4",
                                            "--varlen", "0", "--pairs", "mask-keys"], 1),
 }
