@@ -19,6 +19,7 @@ buffers dS (masked.TMA_DBIAS_HEAD_DIMS), keys a multiple of 8 (`forward_bias_tma
 # No `from __future__ import annotations`: the DSL reads the annotations as objects.
 import functools
 import hashlib
+import inspect
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -30,15 +31,34 @@ from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
-from . import backward_bias, hooks
+from . import backward_bias
 from .forward_bias import fa4_class_swapped
 
 with open(__file__, "rb") as _source:
-    _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
+    # with backward_bias.py's (and through it hooks.py's): the class builds on both
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + backward_bias.SOURCE_DIGEST.encode()).hexdigest()
 
 # The consumer warp that issues the stores: the first of warpgroup 0, which FA4 also uses for its
 # dK/dV stores (and whose outstanding bulk stores it waits for before the kernel ends).
 STORE_WARP = 4
+
+
+@functools.lru_cache(maxsize=None)
+def store_point_matches_fa4() -> bool:
+    """The order this store relies on in FA4's backward round (4.0.0b36): the score gradient
+    hook, then the fence and barrier publishing dS, then the dQ GEMM that our store precedes;
+    and warp 4's wait for its bulk stores before the kernel ends. Read from FA4's source, so that
+    a changed round turns this path off instead of racing."""
+    round_src = inspect.getsource(FlashAttentionBackwardSm90.mma_one_m_block)
+    mma_src = inspect.getsource(FlashAttentionBackwardSm90.mma)
+    # the publishing fence and barrier at the round's indentation (not the conditional pair
+    # FA4 runs before writing dS when it single-buffers it)
+    marks = ["score_mod_bwd_fn(acc_dP", "copy_dS_r2s(",
+             "        cute.arch.fence_view_async_shared()\n        PdS_barrier.arrive_and_wait()",
+             "mma_dsk_fn(A_idx=smem_idx_PdS"]
+    where = [round_src.find(mark) for mark in marks]
+    return (all(i >= 0 for i in where) and where == sorted(where)
+            and "cp_async_bulk_wait_group(0, read=True)" in mma_src)
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +170,7 @@ class TmaDbiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
-for _name in ("mma", "mma_one_m_block"):
+for _name in ("__call__", "mma", "mma_one_m_block"):
     getattr(TmaDbiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
         getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 
@@ -160,4 +180,4 @@ def tma_dbias_backward_kernel():
     return fa4_class_swapped("FlashAttentionBackwardSm90", TmaDbiasBackwardSm90)
 
 
-__all__ = ["tma_dbias_score_mod_bwd", "TmaDbiasBackwardSm90", "tma_dbias_backward_kernel"]
+__all__ = ["store_point_matches_fa4", "tma_dbias_score_mod_bwd", "TmaDbiasBackwardSm90", "tma_dbias_backward_kernel"]

@@ -46,7 +46,8 @@ from quack import copy_utils, layout_utils, sm90_utils
 from . import forward_bias, hooks
 
 with open(__file__, "rb") as _source:
-    _SOURCE_DIGEST = hashlib.sha256(_source.read() + hooks.SOURCE_DIGEST.encode()).hexdigest()
+    # with forward_bias.py's (and through it hooks.py's): the class builds on both
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + forward_bias.SOURCE_DIGEST.encode()).hexdigest()
 
 BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (225 KB of 227 at D128)
 # TMA's rules for the global tensor: 16-byte-aligned start and strides (besides the unit one)
@@ -64,8 +65,9 @@ def tma_ready(bias: torch.Tensor, seqlen_q: int, seqlen_k: int) -> bool:
     if bias.shape[2] != seqlen_q or bias.shape[3] != seqlen_k or bias.stride(3) != 1:
         return False
     step = TMA_ALIGN_BYTES // bias.element_size()
+    # the query stride always (tma_view gives size-1 dims its multiple), the others where stepped
     strides_ok = all(bias.stride(d) % step == 0 and bias.stride(d) > 0
-                     for d in range(3) if bias.shape[d] > 1)
+                     for d in range(3) if bias.shape[d] > 1 or d == 2)
     return strides_ok and bias.data_ptr() % TMA_ALIGN_BYTES == 0
 
 

@@ -346,6 +346,9 @@ def _tma_dbias_gap(q, mask, buffer, seqlen_q: int, seqlen_k: int) -> str | None:
         return f"FA4's dS tile is {q.dtype}, dbias is {buffer.dtype}"
     if not forward_bias_tma.tma_ready(buffer, seqlen_q, seqlen_k):
         return "TMA needs 16-byte aligned dbias rows (keys a multiple of 8)"
+    from . import backward_dbias_tma
+    if not backward_dbias_tma.store_point_matches_fa4():
+        return "the installed FA4's backward round is not the one this store was placed in"
     return None
 
 
