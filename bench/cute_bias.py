@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from cute_masked_check import BOUND, recording, runner, sliced_reference, speed_errors, worst  # noqa: E402
-from cute_plain_check import cute_environment  # noqa: E402
+from cute_plain_check import cute_environment, stack_line  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
@@ -93,10 +93,7 @@ def main(argv=None) -> int:
     if env is None:
         return 2
     deadline = time.monotonic() + args.budget_s
-    lines = [f"== CuTe bias paths beside Triton and Flex, bf16 B2 S4096 == "
-             f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | "
-             f"CUDA {env.get('cuda')} | flash-attn-4 {env.get('flash-attn-4')} | "
-             f"nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | {env.get('date')}",
+    lines = [f"== CuTe bias paths beside Triton and Flex, bf16 B2 S4096 == {stack_line(env)}",
              f"{'case':<18} {'variant':<12} {'fwd ms':>8} {'bwd ms':>8}  backends / worst rel. error"]
     print(lines[0], flush=True)
     problems = []

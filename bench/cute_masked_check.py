@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from cute_plain_check import backend, cute_environment  # noqa: E402  (bench/ is on sys.path)
+from cute_plain_check import backend, cute_environment, stack_line  # noqa: E402  (bench/ is on sys.path)
 from flash_dma import flash_dma_func  # noqa: E402
 from flash_dma.benchmarks import attention as peers  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference, autograd  # noqa: E402
@@ -319,10 +319,7 @@ def _run(args) -> int:
     if env is None:
         return 2
     deadline = time.monotonic() + args.budget_s
-    lines = [f"== mask/bias on the CuTe backend, bf16 == device: {env.get('device')} ({env.get('sm_count')} SMs) | "
-             f"torch {env.get('torch')} | triton {env.get('triton')} | CUDA {env.get('cuda')} | "
-             f"flash-attn-4 {env.get('flash-attn-4')} | nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | "
-             f"quack-kernels {env.get('quack-kernels')} | {env.get('date')}"]
+    lines = [f"== mask/bias on the CuTe backend, bf16 == {env.get('sm_count')} SMs | {stack_line(env)}"]
     problems, grid, speed = [], [], []
 
     def say(text):

@@ -37,6 +37,14 @@ QUICK_SHAPES = [(2, 2048, 16, 128)]
 CHECK_HEADS = 2
 
 
+def stack_line(env: dict) -> str:
+    """The device and the stack's versions, as every CuTe report's header names them."""
+    return (f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | "
+            f"CUDA {env.get('cuda')} | flash-attn-4 {env.get('flash-attn-4')} | "
+            f"nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | "
+            f"quack-kernels {env.get('quack-kernels')} | {env.get('date')}")
+
+
 def backend(name: str):
     """The attention backend for the calls inside ("triton", "cute" or "auto")."""
     return overrides(attention_backend=name)
@@ -216,11 +224,8 @@ def format_row(row) -> str:
 
 def report(env, rows, bad) -> str:
     lines = ["== plain attention: CuTe backend (FA4) vs flash-dma Triton vs SDPA cuDNN, bf16 ==",
-             f"device: {env.get('device')} ({env.get('sm_count')} SMs, sm {env.get('capability')}) | "
-             f"torch {env.get('torch')} | triton {env.get('triton')} | CUDA {env.get('cuda')} | "
-             f"cuDNN {env.get('cudnn')} | flash-attn-4 {env.get('flash-attn-4')} | "
-             f"nvidia-cutlass-dsl {env.get('nvidia-cutlass-dsl')} | quack-kernels {env.get('quack-kernels')} | "
-             f"{env.get('date')}", "",
+             f"{env.get('sm_count')} SMs, sm {env.get('capability')}, cuDNN {env.get('cudnn')} | "
+             f"{stack_line(env)}", "",
              f"{'config':<26} {'pass':<4} | {'cute TF/s':>9} {'triton TF/s':>11} {'cudnn TF/s':>10} | "
              f"{'cute/triton':>11} {'cute/cudnn':>10} | {'cute first call':>15} | max rel err cute/triton/cudnn"]
     for row in rows:

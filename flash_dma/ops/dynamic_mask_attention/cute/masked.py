@@ -83,7 +83,8 @@ declare_choice("attention_cute_bias_pairs", True, (False, True),
 
 # The register prefetch holds a key tile's bias in each consumer thread: spill-free only at head
 # dim 128 without causal (ptxas), where it led the L2 prefetch; at 64 and 256, and causal at 128,
-# its spills made it slower (bench/results/cute-bias-NVIDIA-H200-20261126.txt, -H100-...).
+# its spills made it slower (bench/results/cute-bias-NVIDIA-H200-20261126.txt,
+# cute-bias-tma-NVIDIA-H100-80GB-HBM3-20261126.txt).
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
 # The TMA bias forward: FA4 4.0.0b36's SM90 forward tiles leave room for two bias stages at
 # these head dims (192x128 at D64, 128x128 at D128; D256's 128x80 leaves 2 KB); it led the
@@ -317,39 +318,44 @@ def tma_layout(mask, bias) -> bool:
     return mask is None and bias is not None and bias.shape[-2] > 1 and bias.shape[-1] > 1
 
 
-def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
-    """None where the TMA bias forward (cute/forward_bias_tma.py) serves this call; else why not."""
+def _tma_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, head_dims, why_head_dims: str,
+             why_layout: str) -> str | None:
+    """What both TMA paths need: no mask, a head dim they fit, a tensor TMA can address."""
     from . import forward_bias_tma
     if mask is not None:
         return "it takes no mask"
-    if q.shape[-1] not in TMA_BIAS_HEAD_DIMS:
-        return (f"its two bias stages fit FA4's tiles at head dims "
-                f"{', '.join(map(str, TMA_BIAS_HEAD_DIMS))}, not {q.shape[-1]}")
-    if not forward_bias_tma.tma_ready(bias, seqlen_q, seqlen_k):
+    if q.shape[-1] not in head_dims:
+        return f"{why_head_dims} at head dims {', '.join(map(str, head_dims))}, not {q.shape[-1]}"
+    if not forward_bias_tma.tma_ready(tensor, seqlen_q, seqlen_k):
         # no shape in the reason: the warning is logged once per reason, not once per length
-        return ("TMA needs a 16-bit bias with full query and key dims, keys contiguous, other "
-                "strides and the start 16-byte aligned (for a contiguous bias: keys a multiple of 8)")
-    if not forward_bias_tma.order_matches_fa4():
-        return "the installed FA4 walks key tiles in an order the bias warp does not repeat"
+        return why_layout
     return None
+
+
+def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
+    """None where the TMA bias forward (cute/forward_bias_tma.py) serves this call; else why not."""
+    gap = _tma_gap(q, mask, bias, seqlen_q, seqlen_k, TMA_BIAS_HEAD_DIMS,
+                   "its two bias stages fit FA4's tiles",
+                   "TMA needs a 16-bit bias with full query and key dims, keys contiguous, other "
+                   "strides and the start 16-byte aligned (for a contiguous bias: keys a multiple of 8)")
+    if gap is None:
+        from . import forward_bias_tma
+        if not forward_bias_tma.order_matches_fa4():
+            return "the installed FA4 walks key tiles in an order the bias warp does not repeat"
+    return gap
 
 
 def _tma_dbias_gap(q, mask, buffer, seqlen_q: int, seqlen_k: int) -> str | None:
     """None where the TMA dbias store (cute/backward_dbias_tma.py) serves this call; else why not."""
-    from . import forward_bias_tma
-    if mask is not None:
-        return "it takes no mask"
-    if q.shape[-1] not in TMA_DBIAS_HEAD_DIMS:
-        return (f"FA4 double-buffers dS at head dims {', '.join(map(str, TMA_DBIAS_HEAD_DIMS))}, "
-                f"not {q.shape[-1]}")
     if buffer.dtype != q.dtype:
         return f"FA4's dS tile is {q.dtype}, dbias is {buffer.dtype}"
-    if not forward_bias_tma.tma_ready(buffer, seqlen_q, seqlen_k):
-        return "TMA needs 16-byte aligned dbias rows (keys a multiple of 8)"
-    from . import backward_dbias_tma
-    if not backward_dbias_tma.store_point_matches_fa4():
-        return "the installed FA4's backward round is not the one this store was placed in"
-    return None
+    gap = _tma_gap(q, mask, buffer, seqlen_q, seqlen_k, TMA_DBIAS_HEAD_DIMS,
+                   "FA4 double-buffers dS", "TMA needs 16-byte aligned dbias rows (keys a multiple of 8)")
+    if gap is None:
+        from . import backward_dbias_tma
+        if not backward_dbias_tma.store_point_matches_fa4():
+            return "the installed FA4's backward round is not the one this store was placed in"
+    return gap
 
 
 def _tile_lists(mask, shape, causal: bool, head_dim: int, key_major: bool):

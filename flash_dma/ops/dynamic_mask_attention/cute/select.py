@@ -23,7 +23,8 @@ from .plain import plain_feature_gap
 BACKEND_ENV = "FLASH_DMA_BACKEND"
 # Where auto sends a 16-bit bias without a mask to the CuTe forward (direct-bias forward on), by
 # the bias's layout: "per_key" [B|1, H|Hk|1, 1, Sk] (Doge's), "dense" [B|1, H|Hk|1, Sq, Sk].
-# Measured at B2 S4096 (bench/results/cute-bias-NVIDIA-H200-20261126.txt, -H100-80GB-HBM3-...):
+# Measured at B2 S4096 (bench/results/cute-bias-NVIDIA-H200-20261126.txt; an H100 run of
+# the same cases is in git history as cute-bias-NVIDIA-H100-80GB-HBM3-20261126.txt):
 # per key 1.18-1.24x the Triton forward at D128, 1.31x at D256, 0.84x at D64; dense 1.05-1.13x at
 # D128 (1.04x causal), 1.15-1.22x at D256, 0.74x at D64.
 CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (128, 256), "dense": (128, 256)}
