@@ -9,8 +9,9 @@ FlexAttention, bf16, one process:
   writing dbias the same way (cute/backward_bias.py); direct-no-pairs, direct-no-prefetch,
   direct-L1, direct-L2, direct-registers and direct-tma (whole bias tiles by TMA into shared
   memory, cute/forward_bias_tma.py) change one forward choice; hooks-backward puts
-  FA4's per-element hooks back in the backward; dbias-tma stores dbias by TMA from FA4's shared
-  dS tile (cute/backward_dbias_tma.py);
+  FA4's per-element hooks back in the backward; the backward loads the bias and stores dbias by
+  TMA through FA4's shared dS tile where it can (cute/backward_bias_tma.py): bwd-direct turns
+  both off, bwd-bias-tma and bwd-dbias-tma keep one;
 - cute-hook: both passes through FA4's per-element score_mod hooks (hooks.py);
 - auto: what a call gets by default (the backend and paths select.py picks);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
@@ -62,7 +63,10 @@ VARIANTS = {
     "tma-evict-first": ("cute", dict(DIRECT, attention_cute_bias_prefetch="tma",
                                      attention_cute_bias_tma_evict_first=True)),
     "hooks-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=False)),
-    "dbias-tma": ("cute", dict(DIRECT, attention_cute_dbias_tma=True)),
+    "bwd-direct": ("cute", dict(DIRECT, attention_cute_dbias_tma=False,
+                                attention_cute_bias_tma_backward=False)),
+    "bwd-bias-tma": ("cute", dict(DIRECT, attention_cute_dbias_tma=False)),
+    "bwd-dbias-tma": ("cute", dict(DIRECT, attention_cute_bias_tma_backward=False)),
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False,
                                attention_cute_direct_bias_backward=False)),
     "auto": ("auto", {}),

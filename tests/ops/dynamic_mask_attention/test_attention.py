@@ -587,33 +587,69 @@ def test_gpu_cute_bias_forward_tma(on_cute, caplog, heads_batch, head_dim, seqle
     assert diff < 2e-3, diff
 
 
+TMA_BACKWARD_PARTS = {"bias": dict(attention_cute_dbias_tma=False),
+                      "dbias": dict(attention_cute_bias_tma_backward=False),
+                      "both": {}}
+DIRECT_BACKWARD = dict(attention_cute_dbias_tma=False, attention_cute_bias_tma_backward=False)
+
+
+def _cute_bias_grads(q, k, v, bias, causal, overrides):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    with config.overrides(**overrides):
+        out = flash_dma_func(*leaves[:3], attn_bias=leaves[3], is_causal=causal)
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("parts", list(TMA_BACKWARD_PARTS))
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlen_k", [256, 1032, 104])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_cute_dbias_stored_by_tma(on_cute, caplog, head_dim, seqlen_k, causal):
-    """dbias stored by TMA from FA4's shared dS tile (cute/backward_dbias_tma.py): dq, dk, dv and
-    dbias against the fp64 reference, and equal to the fragment-store path's (the same bf16
-    values reach memory, and dk, dv: dq sums across blocks in no fixed order); Sq 300 leaves a
-    partial query tile, Sk 104 < Sq query tiles with no key under causal; GQA; no fallback
-    logged."""
+def test_gpu_cute_backward_bias_by_tma(on_cute, caplog, parts, head_dim, seqlen_k, causal):
+    """The backward's bias loaded and/or dbias stored by TMA through FA4's shared dS tile
+    (cute/backward_bias_tma.py): dq, dk, dv and dbias against the fp64 reference, and equal to
+    the per-element path's (the same values reach the same fp32 expressions; dq sums across
+    blocks in no fixed order); Sq 300 leaves a partial query tile, Sk 104 < Sq query tiles with
+    no key under causal; GQA; no fallback logged."""
     dtype = torch.bfloat16
     B, Sq, H, Hk = 2, 300, 4, 2
     q, k, v, _, bias = make_inputs(B, Sq, seqlen_k, H, Hk, head_dim, dtype, None, (B, H, Sq, seqlen_k))
-    grads = {}
-    for tma in (True, False):
-        with caplog.at_level("WARNING", logger="flash_dma"), \
-                config.overrides(attention_cute_dbias_tma=tma):
-            if tma:
-                check_against_reference(q, k, v, None, bias, causal, dtype)
-            leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-            out = flash_dma_func(*leaves[:3], attn_bias=leaves[3], is_causal=causal)
-            grads[tma] = torch.autograd.grad(out, leaves, torch.ones_like(out))
-    assert not any("TMA dbias" in r.getMessage() for r in caplog.records), caplog.text
-    assert on_cute.count(("bwd", "cute")) == 3
-    (dq, dk, dv, dbias), (dq_ref, dk_ref, dv_ref, dbias_ref) = grads[True], grads[False]
+    with caplog.at_level("WARNING", logger="flash_dma"):
+        with config.overrides(**TMA_BACKWARD_PARTS[parts]):
+            check_against_reference(q, k, v, None, bias, causal, dtype)
+        dq, dk, dv, dbias = _cute_bias_grads(q, k, v, bias, causal, TMA_BACKWARD_PARTS[parts])
+    assert "TMA" not in caplog.text, caplog.text
+    assert on_cute.count(("bwd", "cute")) == 2
+    dq_ref, dk_ref, dv_ref, dbias_ref = _cute_bias_grads(q, k, v, bias, causal, DIRECT_BACKWARD)
     assert torch.equal(dbias, dbias_ref) and torch.equal(dk, dk_ref) and torch.equal(dv, dv_ref)
     assert (dq.double() - dq_ref.double()).norm() <= 1e-2 * dq_ref.double().norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(1, 4, 300, 264), (2, 2, 300, 264), (1, 1, 300, 264)])
+def test_gpu_cute_backward_broadcast_bias_by_tma(on_cute, caplog, bias_shape):
+    """A bias shared across batches or heads: the backward loads it by TMA (batch and head
+    broadcast resolved per tile) while its dbias sums in fp32 atomics; against the reference."""
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 264, 4, 2, 128, dtype, None, bias_shape)
+    with caplog.at_level("WARNING", logger="flash_dma"):
+        check_against_reference(q, k, v, None, bias, False, dtype)
+    assert "TMA" not in caplog.text, caplog.text
+    assert on_cute.count(("bwd", "cute")) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_cute_backward_bias_tma_falls_back_for_another_dtype(on_cute, caplog, monkeypatch):
+    """An fp16 bias with bf16 q cannot go through FA4's bf16 dS tile: the per-element path runs,
+    logged, and the gradients are right."""
+    from flash_dma.runtime import profile
+    monkeypatch.setattr(profile, "_FALLBACKS_SEEN", set())
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 264, 4, 2, 128, dtype, None, (2, 4, 300, 264),
+                                   bias_dtype=torch.float16)
+    with caplog.at_level("WARNING", logger="flash_dma"):
+        check_against_reference(q, k, v, None, bias, False, dtype)
+    assert "FA4's dS tile is torch.bfloat16, the bias is torch.float16" in caplog.text
 
 
 @pytest.mark.gpu

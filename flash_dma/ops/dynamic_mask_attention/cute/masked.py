@@ -73,10 +73,13 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
 declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
                "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
                "K and V resident")
-declare_choice("attention_cute_dbias_tma", False, (False, True),
+declare_choice("attention_cute_dbias_tma", True, (False, True),
                "the CuTe backward stores dbias by TMA from the dS tile FA4 keeps in shared memory "
-               "(cute/backward_dbias_tma.py; one writer per entry, keys a multiple of 8); off: "
-               "not yet run on a GPU")
+               "(cute/backward_bias_tma.py; one writer per entry, keys a multiple of 8)")
+declare_choice("attention_cute_bias_tma_backward", True, (False, True),
+               "the CuTe backward loads each round's bias tile by TMA into FA4's shared dS stage "
+               "it is about to write (cute/backward_bias_tma.py; a bias in q's dtype with full "
+               "query and key dims, keys a multiple of 8)")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -108,6 +111,7 @@ class BiasPath:
     direct_backward: bool
     tma_evict_first: bool = False
     dbias_tma: bool = False
+    bias_tma_backward: bool = False
 
 
 def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
@@ -124,7 +128,8 @@ def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
                     prefetch=prefetch,
                     direct_backward=choice("attention_cute_direct_bias_backward").value,
                     tma_evict_first=choice("attention_cute_bias_tma_evict_first").value,
-                    dbias_tma=choice("attention_cute_dbias_tma").value)
+                    dbias_tma=choice("attention_cute_dbias_tma").value,
+                    bias_tma_backward=choice("attention_cute_bias_tma_backward").value)
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -345,16 +350,19 @@ def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
     return gap
 
 
-def _tma_dbias_gap(q, mask, buffer, seqlen_q: int, seqlen_k: int) -> str | None:
-    """None where the TMA dbias store (cute/backward_dbias_tma.py) serves this call; else why not."""
-    if buffer.dtype != q.dtype:
-        return f"FA4's dS tile is {q.dtype}, dbias is {buffer.dtype}"
-    gap = _tma_gap(q, mask, buffer, seqlen_q, seqlen_k, TMA_DBIAS_HEAD_DIMS,
-                   "FA4 double-buffers dS", "TMA needs 16-byte aligned dbias rows (keys a multiple of 8)")
+def _tma_backward_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, what: str) -> str | None:
+    """None where the TMA backward (cute/backward_bias_tma.py) can take this bias or dbias
+    buffer (what: "bias" or "dbias") by TMA; else why not."""
+    if tensor.dtype != q.dtype:
+        return f"FA4's dS tile is {q.dtype}, the {what} is {tensor.dtype}"
+    gap = _tma_gap(q, mask, tensor, seqlen_q, seqlen_k, TMA_DBIAS_HEAD_DIMS,
+                   "FA4 double-buffers dS",
+                   f"TMA needs a {what} with full query and key dims, keys contiguous, other "
+                   "strides and the start 16-byte aligned (for a contiguous one: keys a multiple of 8)")
     if gap is None:
-        from . import backward_dbias_tma
-        if not backward_dbias_tma.store_point_matches_fa4():
-            return "the installed FA4's backward round is not the one this store was placed in"
+        from . import backward_bias_tma
+        if not backward_bias_tma.round_matches_fa4():
+            return "the installed FA4's backward round is not the one the TMA backward was placed in"
     return gap
 
 
@@ -402,16 +410,32 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
             DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
         kernel = backward_bias.direct_bias_backward_kernel()
-        if path.dbias_tma and dbias_mode == "store":
-            gap = _tma_dbias_gap(q, mask, buffer, seqlen_q, seqlen_k)
+        tma_bias = tma_dbias = None
+        if path.bias_tma_backward and tma_layout(mask, bias):
+            gap = _tma_backward_gap(q, mask, bias, seqlen_q, seqlen_k, "bias")
             if gap is None:
-                from . import backward_dbias_tma, forward_bias_tma
+                from . import forward_bias_tma
+                heads = bias.shape[1]
+                head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
+                tma_bias = (len(aux), bias.shape[0] == 1, head_mode)
+                aux.append(forward_bias_tma.tma_view(bias))
+            else:
+                profile.log_fallback("attention", "the CuTe TMA bias read in the backward",
+                                     "the bias read from the score fragments", gap)
+        if path.dbias_tma and dbias_mode == "store":
+            gap = _tma_backward_gap(q, mask, buffer, seqlen_q, seqlen_k, "dbias")
+            if gap is None:
+                from . import forward_bias_tma
+                tma_dbias = len(aux)
                 aux.append(forward_bias_tma.tma_view(buffer))
-                score_mod_bwd = backward_dbias_tma.tma_dbias_score_mod_bwd(len(aux) - 1)
-                kernel = backward_dbias_tma.tma_dbias_backward_kernel()
             else:
                 profile.log_fallback("attention", "the CuTe TMA dbias store",
                                      "dbias stored from the score fragments", gap)
+        if tma_bias is not None or tma_dbias is not None:
+            from . import backward_bias_tma
+            spec = backward_bias_tma.TmaBackwardSpec(bias=tma_bias, dbias_slot=tma_dbias)
+            score_mod_bwd = backward_bias_tma.tma_score_mod_bwd(spec, score_mod_bwd.direct_dbias)
+            kernel = backward_bias_tma.tma_backward_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=True)
     with device_guard(q.device), kernel:
         dq, dk, dv = plain._fa4()._flash_attn_bwd(

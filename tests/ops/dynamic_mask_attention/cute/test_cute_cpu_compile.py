@@ -29,11 +29,10 @@ VARIANTS = {
     "fp16-D64-batch-shared-bias": (["--dims", "64", "--dtypes", "fp16", "--causal", "0", "--gqa", "1",
                                     "--varlen", "0", "--pairs", "bias-shared"], 1),
     # keys a multiple of 8: the forward takes the bias by TMA (cute/forward_bias_tma.py), the
-    # backward the direct form with dbias stored by TMA where it has one writer per entry
-    # (cute/backward_dbias_tma.py); GQA with the bias per query head and per kv head
+    # backward loads it by TMA and stores dbias by TMA where it has one writer per entry
+    # (cute/backward_bias_tma.py); GQA with the bias per query head and shared by all heads
     "bf16-D128-gqa-tma-bias": (["--dims", "128", "--dtypes", "bf16", "--causal", "0", "--gqa", "4",
-                                "--varlen", "0", "--pairs", "bias,bias-shared", "--key-multiple", "8",
-                                "--choices", "attention_cute_dbias_tma=True"], 2),
+                                "--varlen", "0", "--pairs", "bias,bias-shared", "--key-multiple", "8"], 2),
     "bf16-D256-causal-gqa-keywise-mask": (["--dims", "256", "--dtypes", "bf16", "--causal", "1", "--gqa", "4",
                                            "--varlen", "0", "--pairs", "mask-keys"], 1),
 }
