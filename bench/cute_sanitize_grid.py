@@ -6,9 +6,9 @@ compute-sanitizer (memcheck, racecheck):
 
 Plain attention (head dims 64/128/256, causal and not, GQA, ragged lengths, varlen with empty
 and one-token sequences), a tile-sparse mask, fully masked rows, and with --cute-bias a dense
-and a head-broadcast bias (dbias stored and atomic), and the forward's bias by TMA
-(cute/forward_bias_tma.py). Shapes are tiny: the tools slow kernels by
-orders of magnitude. Each case also checks the forward against the fp64 reference (a
+and a head-broadcast bias (dbias stored and atomic), and the bias by TMA (cute/forward_bias_tma.py;
+cute/backward_bias_tma.py: the backward's bias read and dbias store). Shapes are tiny: the tools
+slow kernels by orders of magnitude. Each case also checks the forward against the fp64 reference (a
 sanitizer run that computes garbage is not a clean run). Prints one line per case.
 """
 from __future__ import annotations
@@ -97,6 +97,8 @@ def main() -> int:
         cases.append(("bias by TMA [B,H,Sq,Sk] D128 causal Sq300 Sk104 (key tile -1)",
                       lambda: tma(128, True, 300, 104, 4)))
         cases.append(("bias by TMA [B,Hk,Sq,Sk] D64 Sq197 Sk136", lambda: tma(64, False, 197, 136, 2)))
+        # the backward's TMA bias read and dbias store at D128's 80-row tiles
+        cases.append(("bias by TMA [B,H,Sq,Sk] D128 Sq197 Sk136", lambda: tma(128, False, 197, 136, 4)))
     if args.only:
         cases = [case for case in cases if args.only in case[0]]
     bad = 0

@@ -247,7 +247,8 @@ def _log_cute(pass_name: str, pb: AttentionProblem, device, mask, bias, backend:
 def plan_forward(pb: AttentionProblem, q: torch.Tensor, mask, bias) -> ForwardPlan | CutePlan:
     backend = _backend(pb, q, mask, bias)
     if backend.value == "cute":
-        path = (bias_path(pb.head_dim, pb.is_causal, tma_layout(mask, bias))
+        path = (bias_path(pb.head_dim, pb.is_causal, tma_layout(mask, bias),
+                          tma_layout(mask, bias, loadable=True))
                 if bias is not None else None)
         if profile.active():
             _log_cute("fwd", pb, q.device, mask, bias, backend, path)

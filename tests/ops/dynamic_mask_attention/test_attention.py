@@ -640,16 +640,16 @@ def test_gpu_cute_backward_broadcast_bias_by_tma(on_cute, caplog, bias_shape):
 
 @pytest.mark.gpu
 def test_gpu_cute_backward_bias_tma_falls_back_for_another_dtype(on_cute, caplog, monkeypatch):
-    """An fp16 bias with bf16 q cannot go through FA4's bf16 dS tile: the per-element path runs,
+    """An fp32 bias with bf16 q cannot go through FA4's bf16 dS tile: the per-element path runs,
     logged, and the gradients are right."""
     from flash_dma.runtime import profile
     monkeypatch.setattr(profile, "_FALLBACKS_SEEN", set())
     dtype = torch.bfloat16
     q, k, v, _, bias = make_inputs(2, 300, 264, 4, 2, 128, dtype, None, (2, 4, 300, 264),
-                                   bias_dtype=torch.float16)
+                                   bias_dtype=torch.float32)
     with caplog.at_level("WARNING", logger="flash_dma"):
         check_against_reference(q, k, v, None, bias, False, dtype)
-    assert "FA4's dS tile is torch.bfloat16, the bias is torch.float16" in caplog.text
+    assert "FA4's dS tile is torch.bfloat16, the bias is torch.float32" in caplog.text
 
 
 @pytest.mark.gpu

@@ -114,12 +114,15 @@ class BiasPath:
     bias_tma_backward: bool = False
 
 
-def bias_path(head_dim: int, causal: bool, tma_layout: bool) -> BiasPath:
+def bias_path(head_dim: int, causal: bool, tma_layout: bool, tma_loadable: bool | None = None) -> BiasPath:
     """tma_layout: the bias has full query and key dims and comes without a mask, what the TMA
-    form needs besides alignment (masked.forward checks that, and falls back logged)."""
+    form needs besides alignment (masked.forward checks that, and falls back logged);
+    tma_loadable: TMA can also load it as it lies in memory (auto takes the TMA form only then;
+    None: as tma_layout)."""
     prefetch = choice("attention_cute_bias_prefetch").value
     pairs = choice("attention_cute_bias_pairs").value
-    if prefetch == "auto" and tma_layout and head_dim in TMA_BIAS_HEAD_DIMS and not causal:
+    loadable = tma_layout if tma_loadable is None else tma_loadable
+    if prefetch == "auto" and loadable and head_dim in TMA_BIAS_HEAD_DIMS and not causal:
         prefetch = "tma"
     elif prefetch == "auto" or (prefetch == "tma" and not tma_layout):
         registers = head_dim in REGISTER_PREFETCH_HEAD_DIMS and not causal and pairs
@@ -279,14 +282,14 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     score_mod, mask_mod, _ = _hooks(mask, bias, grouped, causal, None, backward=False)
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias))
+        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias), tma_layout(mask, bias, True))
     pack_gqa = None  # FA4 decides
     if bias is not None and path.direct_forward and path.prefetch == "tma":
         tma_gap = _tma_bias_gap(q, mask, bias, seqlen_q, seqlen_k)
         if tma_gap is None:
-            from . import forward_bias_tma
+            from . import forward_bias_tma, tma_operands
             tma_slot = len(aux)
-            aux.append(forward_bias_tma.tma_view(bias))
+            aux.append(tma_operands.tma_view(bias))
             heads = bias.shape[1]
             head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
             score_mod = forward_bias_tma.tma_bias_score_mod(
@@ -318,20 +321,24 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     return out, lse
 
 
-def tma_layout(mask, bias) -> bool:
-    """Whether a call's bias has the layout the TMA bias forward takes (bias_path)."""
-    return mask is None and bias is not None and bias.shape[-2] > 1 and bias.shape[-1] > 1
+def tma_layout(mask, bias, loadable: bool = False) -> bool:
+    """Whether a call's bias has the layout the TMA bias paths take (bias_path); loadable: and
+    TMA can load it as it lies in memory (tma_operands.tma_ready)."""
+    if not (mask is None and bias is not None and bias.shape[-2] > 1 and bias.shape[-1] > 1):
+        return False
+    from .tma_operands import tma_ready
+    return not loadable or tma_ready(bias, bias.shape[-2], bias.shape[-1])
 
 
 def _tma_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, head_dims, why_head_dims: str,
              why_layout: str) -> str | None:
     """What both TMA paths need: no mask, a head dim they fit, a tensor TMA can address."""
-    from . import forward_bias_tma
+    from .tma_operands import tma_ready
     if mask is not None:
         return "it takes no mask"
     if q.shape[-1] not in head_dims:
         return f"{why_head_dims} at head dims {', '.join(map(str, head_dims))}, not {q.shape[-1]}"
-    if not forward_bias_tma.tma_ready(tensor, seqlen_q, seqlen_k):
+    if not tma_ready(tensor, seqlen_q, seqlen_k):
         # no shape in the reason: the warning is logged once per reason, not once per length
         return why_layout
     return None
@@ -350,16 +357,18 @@ def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
     return gap
 
 
-def _tma_backward_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, what: str) -> str | None:
+def _tma_backward_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, what: str,
+                      check_fa4: bool = True) -> str | None:
     """None where the TMA backward (cute/backward_bias_tma.py) can take this bias or dbias
-    buffer (what: "bias" or "dbias") by TMA; else why not."""
+    buffer (what: "bias" or "dbias") by TMA; else why not. check_fa4: also read the installed
+    FA4's source (imports the CuTe stack)."""
     if tensor.dtype != q.dtype:
         return f"FA4's dS tile is {q.dtype}, the {what} is {tensor.dtype}"
     gap = _tma_gap(q, mask, tensor, seqlen_q, seqlen_k, TMA_DBIAS_HEAD_DIMS,
                    "FA4 double-buffers dS",
                    f"TMA needs a {what} with full query and key dims, keys contiguous, other "
                    "strides and the start 16-byte aligned (for a contiguous one: keys a multiple of 8)")
-    if gap is None:
+    if gap is None and check_fa4:
         from . import backward_bias_tma
         if not backward_bias_tma.round_matches_fa4():
             return "the installed FA4's backward round is not the one the TMA backward was placed in"
@@ -398,7 +407,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                                                 group_size=num_heads // k.shape[2])
     kernel = contextlib.nullcontext()
     if bias is not None and path is None:
-        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias))
+        path = bias_path(q.shape[-1], causal, tma_layout(mask, bias), tma_layout(mask, bias, True))
     if bias is not None and path.direct_backward:
         from . import backward_bias, forward_bias
         slots = (BIAS_SLOT, DBIAS_SLOT) if buffer is not None else (BIAS_SLOT,)
@@ -411,23 +420,25 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
             DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
         kernel = backward_bias.direct_bias_backward_kernel()
         tma_bias = tma_dbias = None
-        if path.bias_tma_backward and tma_layout(mask, bias):
+        # at other head dims the per-element forms are the path, not a fallback
+        tma_head_dim = q.shape[-1] in TMA_DBIAS_HEAD_DIMS
+        if path.bias_tma_backward and tma_head_dim and tma_layout(mask, bias):
             gap = _tma_backward_gap(q, mask, bias, seqlen_q, seqlen_k, "bias")
             if gap is None:
-                from . import forward_bias_tma
+                from . import tma_operands
                 heads = bias.shape[1]
                 head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
                 tma_bias = (len(aux), bias.shape[0] == 1, head_mode)
-                aux.append(forward_bias_tma.tma_view(bias))
+                aux.append(tma_operands.tma_view(bias))
             else:
                 profile.log_fallback("attention", "the CuTe TMA bias read in the backward",
                                      "the bias read from the score fragments", gap)
-        if path.dbias_tma and dbias_mode == "store":
+        if path.dbias_tma and tma_head_dim and dbias_mode == "store":
             gap = _tma_backward_gap(q, mask, buffer, seqlen_q, seqlen_k, "dbias")
             if gap is None:
-                from . import forward_bias_tma
+                from . import tma_operands
                 tma_dbias = len(aux)
-                aux.append(forward_bias_tma.tma_view(buffer))
+                aux.append(tma_operands.tma_view(buffer))
             else:
                 profile.log_fallback("attention", "the CuTe TMA dbias store",
                                      "dbias stored from the score fragments", gap)

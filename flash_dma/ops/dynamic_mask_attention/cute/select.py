@@ -19,6 +19,7 @@ from . import availability
 from .availability import CuteBackendUnavailable
 from .masked import feature_gap as masked_feature_gap
 from .plain import plain_feature_gap
+from .tma_operands import tma_ready
 
 BACKEND_ENV = "FLASH_DMA_BACKEND"
 # Where auto sends a 16-bit bias without a mask to the CuTe forward (direct-bias forward on), by
@@ -26,13 +27,20 @@ BACKEND_ENV = "FLASH_DMA_BACKEND"
 # Measured at B2 S4096 (bench/results/cute-bias-NVIDIA-H200-20261126.txt; an H100 run of
 # the same cases is in git history as cute-bias-NVIDIA-H100-80GB-HBM3-20261126.txt):
 # per key 1.18-1.24x the Triton forward at D128, 1.31x at D256, 0.84x at D64; dense 1.05-1.13x at
-# D128 (1.04x causal), 1.15-1.22x at D256, 0.74x at D64.
-CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (128, 256), "dense": (128, 256)}
-# ... and where its backward (dq, dk, dv, dbias) runs on CuTe too: a dense bias at D256 (1.60x the
-# Triton backward); at D64 and D128 the Triton backward leads (2.5x, 2.1x), and reads the CuTe
-# forward's out and lse as its own.
-CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,)}
+# D128 (1.04x causal), 1.15-1.22x at D256. "dense_tma" is a dense bias TMA can load as it lies
+# (tma_operands.tma_ready: keys contiguous, 16-byte aligned rows): the TMA forward
+# (cute/forward_bias_tma.py) ties the Triton forward at D64 (1.04x on the H100,
+# cute-bias-bwd-tma-NVIDIA-H100-80GB-HBM3-20261126.txt) and the CuTe backward after it leads
+# (below), so D64 takes CuTe too.
+CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (128, 256), "dense": (128, 256), "dense_tma": (64, 128, 256)}
+# ... and where its backward (dq, dk, dv, dbias) runs on CuTe too: with one dbias writer per
+# entry, a dense bias at D256 (read per element: 1.60x the Triton backward on the H200) and one
+# the backward reads and whose dbias it stores by TMA (cute/backward_bias_tma.py) at D64 and
+# D128 (H100, B2 H16 S4096: 1.31x the Triton backward at D64, 1.01x at D128, 1.67x at D128
+# causal). Elsewhere the Triton backward leads, and reads the CuTe forward's out and lse.
+CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,), "dense_tma": (64, 128, 256)}
 BIAS_LAYOUTS = tuple(CUTE_BIAS_FORWARD_HEAD_DIMS)
+BIAS_LAYOUT_WORDS = {"per_key": "per key", "dense": "dense", "dense_tma": "dense TMA-loadable"}
 BACKEND_CHOICES = ("auto", "triton", "cute")
 
 __all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "CuteBackendUnavailable", "requested_backend",
@@ -50,13 +58,15 @@ def requested_backend(environ=None) -> str:
 
 
 def bias_layout(bias: torch.Tensor | None) -> str | None:
-    """"per_key" or "dense" for a 16-bit bias of those layouts (see CUTE_BIAS_FORWARD_HEAD_DIMS),
-    else None (no bias, an fp32 bias, or one broadcast along keys)."""
+    """"per_key", "dense" or "dense_tma" for a 16-bit bias of those layouts (see
+    CUTE_BIAS_FORWARD_HEAD_DIMS), else None (no bias, an fp32 bias, or one broadcast along keys)."""
     if bias is None or bias.dtype not in (torch.float16, torch.bfloat16):
         return None
     if bias.shape[-2] == 1:
         return "per_key"
-    return "dense" if bias.shape[-1] != 1 else None
+    if bias.shape[-1] == 1:
+        return None
+    return "dense_tma" if tma_ready(bias, bias.shape[-2], bias.shape[-1]) else "dense"
 
 
 def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -88,7 +98,7 @@ def choose_backend(device, has_mask: bool, has_bias: bool, head_dim: int, dtype:
                           "0.36x, forward + backward 0.78x); FLASH_DMA_BACKEND=cute forces it")
     if has_bias and not (head_dim in CUTE_BIAS_FORWARD_HEAD_DIMS.get(bias_kind, ())
                          and choice("attention_cute_direct_bias").value):
-        led = "; ".join(f"a 16-bit {kind.replace('_', ' ')} bias at head dim {', '.join(map(str, dims))}"
+        led = "; ".join(f"a 16-bit {BIAS_LAYOUT_WORDS[kind]} bias at head dim {', '.join(map(str, dims))}"
                         for kind, dims in CUTE_BIAS_FORWARD_HEAD_DIMS.items())
         return "triton", (f"auto: this bias runs on Triton (the CuTe forward, reading the bias "
                           f"directly, leads with {led}); FLASH_DMA_BACKEND=cute forces it")
@@ -106,12 +116,15 @@ def auto_backward_on_triton(has_mask: bool, head_dim: int, bias_kind: str | None
     instead (the Triton backward leads there), or None to keep it on CuTe."""
     if has_mask:
         return None
+    if bias_kind == "dense_tma" and not (choice("attention_cute_bias_tma_backward").value and (
+            dbias_reduce is None or choice("attention_cute_dbias_tma").value)):
+        bias_kind = "dense"  # the TMA parts turned off: per element
     if head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(bias_kind, ()) and dbias_reduce != "atomic":
         return None
     return ("auto: the Triton backward leads the CuTe one with this bias (CuTe's leads with a "
-            "16-bit dense bias at head dim "
-            f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['dense']))} and one dbias writer "
-            "per entry); FLASH_DMA_BACKEND=cute forces it")
+            "16-bit dense bias and one dbias writer per entry at head dim 256, and at head dims "
+            f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['dense_tma']))} where TMA can load "
+            "it as it lies in memory); FLASH_DMA_BACKEND=cute forces it")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,

@@ -101,7 +101,7 @@ def test_auto_sends_a_bias_to_cute_where_its_forward_measured_faster(status, hea
 def test_auto_keeps_a_biased_backward_on_cute_only_where_it_measured_faster(head_dim):
     from flash_dma.ops.dynamic_mask_attention.cute.select import (CUTE_BIAS_BACKWARD_HEAD_DIMS,
                                                                   auto_backward_on_triton)
-    for kind in ("dense", "per_key", None):
+    for kind in ("dense", "dense_tma", "per_key", None):
         for reduce in ("store", "atomic", None):
             why = auto_backward_on_triton(False, head_dim, kind, reduce)
             keep = head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(kind, ()) and reduce != "atomic"
@@ -109,6 +109,12 @@ def test_auto_keeps_a_biased_backward_on_cute_only_where_it_measured_faster(head
             if why is not None:
                 assert "Triton backward leads" in why and "FLASH_DMA_BACKEND=cute" in why
     assert auto_backward_on_triton(True, head_dim, "dense", "store") is None  # masks: not this rule
+    # with the TMA parts turned off the backward reads the bias per element: Triton leads below D256
+    with config.overrides(attention_cute_bias_tma_backward=False):
+        assert (auto_backward_on_triton(False, head_dim, "dense_tma", "store") is None) == (head_dim == 256)
+    with config.overrides(attention_cute_dbias_tma=False):
+        assert (auto_backward_on_triton(False, head_dim, "dense_tma", "store") is None) == (head_dim == 256)
+        assert auto_backward_on_triton(False, head_dim, "dense_tma", None) is None
 
 
 def test_bias_layout_names_the_layouts_auto_reads():
@@ -117,8 +123,11 @@ def test_bias_layout_names_the_layouts_auto_reads():
     assert bias_layout(None) is None
     assert bias_layout(torch.zeros(2, 4, 1, 64, **bf16)) == "per_key"
     assert bias_layout(torch.zeros(1, 1, 1, 64, dtype=torch.float16)) == "per_key"
-    assert bias_layout(torch.zeros(2, 4, 32, 64, **bf16)) == "dense"
-    assert bias_layout(torch.zeros(2, 1, 32, 64, **bf16)) == "dense"
+    assert bias_layout(torch.zeros(2, 4, 32, 64, **bf16)) == "dense_tma"
+    assert bias_layout(torch.zeros(2, 1, 32, 64, **bf16)) == "dense_tma"
+    assert bias_layout(torch.zeros(2, 4, 32, 60, **bf16)) == "dense"  # rows not 16-byte aligned
+    assert bias_layout(torch.zeros(2, 4, 32, 64, **bf16).expand(2, 4, 32, 64)) == "dense_tma"
+    assert bias_layout(torch.zeros(1, 1, 32, 1, **bf16).expand(2, 4, 32, 64)) == "dense"  # stride 0 keys
     assert bias_layout(torch.zeros(2, 4, 32, 1, **bf16)) is None  # broadcast along keys
     assert bias_layout(torch.zeros(2, 4, 32, 64)) is None  # fp32
 
@@ -344,17 +353,19 @@ def test_the_attention_call_honours_the_backend_choice(monkeypatch):
 
 
 def _cute_plans(status, mask_shape, bias_shape, *, want_dbias=True, deterministic=False,
-                causal=False, requested="cute", head_dim=128):
+                causal=False, requested="cute", head_dim=128, seqlen_k=50):
     """(forward plan, backward plan) of a B2 H4 Hk2 S40x50 call, the CuTe status set usable
     (no tensor is read: stand-ins of the shapes, as `flash-dma env --attention` builds)."""
     from flash_dma.ops.dynamic_mask_attention.plan import AttentionProblem, plan_backward, plan_forward
     status(None)
-    pb = AttentionProblem(2, 4, 2, head_dim, 40, 50, False, causal, head_dim ** -0.5, None, None)
+    pb = AttentionProblem(2, 4, 2, head_dim, 40, seqlen_k, False, causal, head_dim ** -0.5, None, None)
     q = torch.empty(2, 40, 4, head_dim, dtype=torch.bfloat16)
 
     def stand_in(shape, dtype):
         return None if shape is None else torch.empty((), dtype=dtype).expand(shape)
-    mask, bias = stand_in(mask_shape, torch.bool), stand_in(bias_shape, torch.bfloat16)
+    # the bias as laid out in memory (auto reads whether TMA can load it)
+    mask = stand_in(mask_shape, torch.bool)
+    bias = None if bias_shape is None else torch.empty(bias_shape, dtype=torch.bfloat16)
     # forced, with the bias hooks let in: this checks the CuTe path's own planning (auto keeps
     # masks and biases on Triton: test_masks_and_biases_stay_on_triton_...)
     with config.overrides(attention_backend=requested, attention_cute_bias=True):
@@ -408,25 +419,32 @@ def test_cute_serves_deterministic_bias_with_one_writer_per_entry(status):
     assert isinstance(bwd, CutePlan) and bwd.dbias_reduce == "store" and bwd.deterministic
 
 
-@pytest.mark.parametrize("head_dim, backward", [(64, None), (128, "triton"), (256, "cute")])
-def test_auto_plans_a_dense_bias_where_each_pass_measured_faster(status, caplog, head_dim, backward):
-    """Under auto, a 16-bit dense bias takes the CuTe forward at D128 and D256 and the CuTe
-    backward at D256 only; the Triton backward after a CuTe forward is a choice, not a fallback
-    (no warning). D64 stays on Triton for both. The plan carries the resolved bias choices."""
+@pytest.mark.parametrize("head_dim, seqlen_k, backward", [
+    (64, 50, None), (128, 50, "triton"), (256, 50, "cute"),
+    (64, 56, "cute"), (128, 56, "cute"), (256, 56, "cute")])
+def test_auto_plans_a_dense_bias_where_each_pass_measured_faster(status, caplog, head_dim, seqlen_k,
+                                                                  backward):
+    """Under auto, a 16-bit dense bias takes the CuTe forward at D128 and D256, and at D64 where
+    TMA can load it (keys a multiple of 8 here); the CuTe backward where it reads the bias and
+    stores dbias by TMA, or at D256; the Triton backward after a CuTe forward is a choice, not a
+    fallback (no warning). The plan carries the resolved bias choices."""
     from flash_dma.ops.dynamic_mask_attention.plan import BackwardPlan, CutePlan, ForwardPlan
     with caplog.at_level("WARNING", logger="flash_dma"):
-        fwd, bwd = _cute_plans(status, None, (2, 4, 40, 50), requested="auto", head_dim=head_dim)
+        fwd, bwd = _cute_plans(status, None, (2, 4, 40, seqlen_k), requested="auto",
+                               head_dim=head_dim, seqlen_k=seqlen_k)
     if backward is None:
         assert isinstance(fwd, ForwardPlan) and isinstance(bwd, BackwardPlan)
         return
     assert isinstance(fwd, CutePlan) and fwd.bias_path is not None
-    assert fwd.bias_path.prefetch == ("tma" if head_dim == 128 else "L2")
+    tma = head_dim in (64, 128) and seqlen_k % 8 == 0
+    assert fwd.bias_path.prefetch == ("tma" if tma else "registers" if head_dim == 128 else "L2")
     if backward == "cute":
         assert isinstance(bwd, CutePlan) and bwd.bias_path == fwd.bias_path
     else:
         assert isinstance(bwd, BackwardPlan) and "Triton backward leads" in bwd.backend.source
         assert not any("instead" in r.getMessage() for r in caplog.records)
-    _, forced = _cute_plans(status, None, (2, 4, 40, 50), requested="cute", head_dim=head_dim)
+    _, forced = _cute_plans(status, None, (2, 4, 40, seqlen_k), requested="cute", head_dim=head_dim,
+                            seqlen_k=seqlen_k)
     assert isinstance(forced, CutePlan)
 
 
