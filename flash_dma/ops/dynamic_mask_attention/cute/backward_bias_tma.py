@@ -16,12 +16,13 @@ dtype, queries x keys with keys contiguous, read by the dQ GEMM), and that buffe
 - the bias: round r's bias tile is loaded by TMA into the stage round r's dS will be written to.
   That stage is free from the barrier publishing round r-1's dS (the other stage) on: the first
   consumer warp issues round r+1's load right after round r's barrier (round 0's at its start),
-  on FA4's dO "full" mbarrier of that round, whose expected byte count our `load` raises by the
-  bias tile's; so the consumers' existing wait for dO also covers the bias. Each thread then
-  reads its fragment's share with a transposing ldmatrix (the mirror of FA4's transposing
-  stmatrix of dS) and adds it as backward_bias.py does. Out-of-range entries arrive as zeros
-  (masked after this step). Every dO round must get exactly one bias load: the dense round loop
-  and the order inside a round are checked against FA4's source (`round_matches_fa4`).
+  each on its own mbarrier, one per stage, kept in the padding FA4's shared storage leaves after
+  its dO mbarriers (checked at trace time from the struct's offsets); the consumers wait on it
+  (phase as FA4's Q pipeline's, which takes the same stages in the same order) before each reads
+  its fragment's share with a transposing ldmatrix (the mirror of FA4's transposing stmatrix of
+  dS) and adds it as backward_bias.py does. Out-of-range entries arrive as zeros (masked after
+  this step). The loads assume FA4's dense round loop and the order inside a round, checked
+  against FA4's source (`round_matches_fa4`).
 
 Serves: no mask, fixed lengths, head dims where FA4 double-buffers dS
 (masked.TMA_DBIAS_HEAD_DIMS); the bias in q's dtype with full query and key dims (any batch and
@@ -29,7 +30,6 @@ head broadcast) and `forward_bias_tma.tma_ready`; dbias "store" in q's dtype, ke
 Either part may run without the other.
 """
 # No `from __future__ import annotations`: the DSL reads the annotations as objects.
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -44,6 +44,7 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+from flash_attn.cute.named_barrier import NamedBarrierBwd
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
@@ -59,6 +60,11 @@ with open(__file__, "rb") as _source:
 # kernel ends). Warpgroup 0 always computes dQ, the GEMM our wrapper precedes.
 TMA_WARP = 4
 HEAD_MODES = ("each", "kv", "shared")
+BIAS_STAGES = 2  # FA4's dS stages, which the bias tiles borrow
+# The named barrier after the consumers' initialisation of the bias mbarriers: the first id FA4's
+# SM90 backward leaves free.
+BIAS_INIT_BARRIER = max(NamedBarrierBwd) + 1
+assert BIAS_INIT_BARRIER < 16, "no free named barrier"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,17 +85,16 @@ class TmaBackwardSpec:
 @functools.lru_cache(maxsize=None)
 def round_matches_fa4() -> bool:
     """The order both parts rely on in FA4's backward (4.0.0b36): the dense loop takes rounds
-    m_block_min .. m_block_max - 1 and its load warp fetches dO in that order; in a round, the
-    dO wait, then the score hook, the score-gradient hook, the dS write, the fence and barrier
+    m_block_min .. m_block_max - 1, each advancing the Q pipeline's state once; in a round, the
+    Q wait, then the score hook, the score-gradient hook, the dS write, the fence and barrier
     publishing dS, then the dQ GEMM that our TMA issue precedes; warp 4 waits for its bulk
     stores before the kernel ends. Read from FA4's source, so that a change turns this path off
     instead of racing or deadlocking."""
     round_src = inspect.getsource(FlashAttentionBackwardSm90.mma_one_m_block)
     mma_src = inspect.getsource(FlashAttentionBackwardSm90.mma)
-    load_src = inspect.getsource(FlashAttentionBackwardSm90.load)
     # the publishing fence and barrier at the round's indentation (not the conditional pair
     # FA4 runs before writing dS when it single-buffers it)
-    marks = ["pipeline_dO.consumer_wait(", "score_mod_fn(acc_S", "score_mod_bwd_fn(acc_dP",
+    marks = ["pipeline_Q.consumer_wait(", "score_mod_fn(acc_S", "score_mod_bwd_fn(acc_dP",
              "copy_dS_r2s(",
              "        cute.arch.fence_view_async_shared()\n        PdS_barrier.arrive_and_wait()",
              "mma_dsk_fn(A_idx=smem_idx_PdS"]
@@ -97,8 +102,7 @@ def round_matches_fa4() -> bool:
     return (all(i >= 0 for i in where) and where == sorted(where)
             and "smem_idx_PdS = smem_idx_Q if" in round_src
             and "for m_block in cutlass.range(m_block_min, m_block_max, unroll=1)" in mma_src
-            and "for m_block in cutlass.range(m_block_min + 1, m_block_max, unroll=1)" in load_src
-            and "load_dO(first_m_block" in load_src
+            and "consumer_state_Q.advance()" in round_src
             and "cp_async_bulk_wait_group(0, read=True)" in mma_src)
 
 
@@ -178,20 +182,16 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
             mCuSeqlensK, mSeqUsedQ, mSeqUsedK, window_size_left, window_size_right, mdQ_semaphore,
             mdK_semaphore, mdV_semaphore, aux_data, blocksparse_tensors, mCuTotalMBlocks, stream)
 
-    @cute.jit
-    def load(self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
-             tma_atom_K, tma_atom_V, tma_atom_dO, pipeline_Q, pipeline_dO, block_info,
-             SeqlenInfoCls, TileSchedulerCls, blocksparse_tensors=None,
-             qhead_per_kvhead_divmod=None):
-        if const_expr(self._takes_bias()):
-            # each dO round's mbarrier also counts the bias tile the consumers load onto it
-            full = copy.copy(pipeline_dO.sync_object_full)
-            full.tx_count = full.tx_count + self.bias_tx_bytes
-            pipeline_dO = dataclasses.replace(pipeline_dO, sync_object_full=full)
-        FlashAttentionBackwardSm90.load(
-            self, mQ, mK, mV, mdO, mLSE, mdPsum, sQ, sK, sV, sdO, sLSE, sdPsum, tma_atom_Q,
-            tma_atom_K, tma_atom_V, tma_atom_dO, pipeline_Q, pipeline_dO, block_info,
-            SeqlenInfoCls, TileSchedulerCls, blocksparse_tensors, qhead_per_kvhead_divmod)
+    def _get_shared_storage_cls(self):
+        storage = FlashAttentionBackwardSm90._get_shared_storage_cls(self)
+        if self._takes_bias():
+            # the bias mbarriers go right after FA4's dO mbarriers, in the padding before sLSE
+            offsets = storage._offsets
+            dO_barriers_end = offsets["mbar_ptr_dO"] + 2 * self.dO_stage * 8
+            assert list(offsets).index("sLSE") == list(offsets).index("mbar_ptr_dO") + 1 and \
+                offsets["sLSE"] - dO_barriers_end >= BIAS_STAGES * 8, \
+                "FA4's shared storage leaves no room for the bias mbarriers"
+        return storage
 
     @cute.jit
     def mma(self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
@@ -203,7 +203,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
         if const_expr(self._spec() is not None):
             # kept for this trace's rounds (mma_one_m_block and the score hooks)
             tensors = aux_data.tensors
-            self._tma = SimpleNamespace(sdS=sdS, block_info=block_info, pipeline_dO=pipeline_dO)
+            self._tma = SimpleNamespace(sdS=sdS, block_info=block_info)
             if const_expr(self._stores_dbias()):
                 self._tma.dbias_atom, self._tma.dbias = tensors[-2], tensors[-1]
             if const_expr(self._takes_bias()):
@@ -213,6 +213,14 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 _, self._tma.bias_copy, self._tma.bias_smem = copy_utils.get_smem_load_C(
                     tiled_mma_SdP, layout_utils.transpose_view(sdS), tidx, transpose=True,
                     position_independent=True)
+                # one mbarrier per stage after FA4's dO mbarriers (_get_shared_storage_cls)
+                self._tma.bias_full = pipeline_dO.sync_object_full.get_barrier(0) + 2 * self.dO_stage
+                if tidx == 0:
+                    for stage in cutlass.range_constexpr(BIAS_STAGES):
+                        cute.arch.mbarrier_init(self._tma.bias_full + stage, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.barrier(barrier_id=int(BIAS_INIT_BARRIER),
+                                  number_of_threads=self.num_mma_threads)
         FlashAttentionBackwardSm90.mma(
             self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
             mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
@@ -232,7 +240,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
             batch_idx, head_idx, n_block = bound["batch_idx"], bound["head_idx"], bound["n_block"]
             # this round's stage of Q, dO and dS (one index: FA4's stages are equal here)
             stage = consumer_state_Q.index
-            self._round = SimpleNamespace(stage=stage)
+            self._round = SimpleNamespace(stage=stage, phase=consumer_state_Q.phase)
             if const_expr(self._stores_dbias()):
                 rows = cute.local_tile(self._tma.dbias[None, None, head_idx, batch_idx],
                                        (self.tile_m, self.tile_n), (None, n_block))
@@ -258,13 +266,11 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                         # the tile's first round loads its own bias; later rounds get theirs
                         # from the round before (_issue_tma_then)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        self._round.load(src_idx=m_block, dst_idx=stage,
-                                         tma_bar_ptr=pipeline_dO.sync_object_full.get_barrier(stage))
+                        self._load_bias(m_block, stage)
             if const_expr(is_dQ_wg):
                 # FA4 calls the dQ GEMM right after the fence and barrier that publish this
                 # round's dS tile: our TMA goes out just before it
-                mma_dsk_fn = functools.partial(self._issue_tma_then, mma_dsk_fn, m_block,
-                                               m_block_max, pipeline_dO)
+                mma_dsk_fn = functools.partial(self._issue_tma_then, mma_dsk_fn, m_block, m_block_max)
         return FlashAttentionBackwardSm90.mma_one_m_block(
             self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
             mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s, copy_dS_r2s, pipeline_Q,
@@ -273,7 +279,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
             score_mod_bwd_fn=score_mod_bwd_fn, dKV_accumulate=dKV_accumulate)
 
     @cute.jit
-    def _issue_tma_then(self, mma_dsk_fn, m_block, m_block_max, pipeline_dO, A_idx, wg_wait):
+    def _issue_tma_then(self, mma_dsk_fn, m_block, m_block_max, A_idx, wg_wait):
         if _is_tma_warp():
             if const_expr(self._stores_dbias()):
                 self._round.store(src_idx=A_idx, dst_idx=m_block)
@@ -283,10 +289,16 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 # round's dQ GEMM and dbias store, the bias ldmatrix before that round's dS
                 # write) are all behind the barrier just passed
                 if m_block + 1 < m_block_max:
-                    other = 1 - A_idx
-                    self._round.load(src_idx=m_block + 1, dst_idx=other,
-                                     tma_bar_ptr=pipeline_dO.sync_object_full.get_barrier(other))
+                    self._load_bias(m_block + 1, 1 - A_idx)
         return mma_dsk_fn(A_idx=A_idx, wg_wait=wg_wait)
+
+    @cute.jit
+    def _load_bias(self, m_block, stage):
+        """The TMA warp: bias tile (m_block, this tile's keys) into dS stage `stage`."""
+        barrier = self._tma.bias_full + stage
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, self.bias_tx_bytes)
+        self._round.load(src_idx=m_block, dst_idx=stage, tma_bar_ptr=barrier)
 
     @cute.jit
     def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
@@ -297,7 +309,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
                 seqlen_info, aux_data, fastdiv_mods)
         else:
-            # FA4's dO wait, just passed, covered the bias tile's bytes
+            cute.arch.mbarrier_wait(self._tma.bias_full + self._round.stage, self._round.phase)
             values = cute.make_rmem_tensor_like(acc_S, self.dtype)
             cute.copy(self._tma.bias_copy, self._tma.bias_smem[None, None, None, self._round.stage],
                       self._tma.bias_copy.retile(values))
@@ -321,7 +333,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
-for _name in ("__call__", "load", "mma", "mma_one_m_block"):
+for _name in ("__call__", "mma", "mma_one_m_block"):
     getattr(TmaBiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
         getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 
