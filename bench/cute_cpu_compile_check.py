@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from flash_dma.ops.dynamic_mask_attention.cute import availability, masked, plain  # noqa: E402
-from flash_dma.runtime.config import overrides  # noqa: E402
+from flash_dma.runtime.config import overrides, parse_overrides  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FIRST_LENGTHS = (300, 257)
@@ -154,12 +154,6 @@ def check_variant(dim, dtype_name, causal, group, varlen, deterministic, pair="n
     return ok
 
 
-def _choices(text):
-    flags = {"True": True, "False": False}
-    pairs = (item.split("=", 1) for item in text.split(",") if item)
-    return {name: flags.get(value, value) for name, value in pairs}
-
-
 def _ints(text):
     return [int(x) for x in text.split(",")]
 
@@ -176,7 +170,7 @@ def main(argv=None) -> int:
                         help="mask/bias variants: none or " + ", ".join(PAIRS))
     parser.add_argument("--key-multiple", type=int, default=1,
                         help="round the key lengths down to a multiple of this (TMA's 16-byte rows)")
-    parser.add_argument("--choices", type=_choices, default={},
+    parser.add_argument("--choices", type=parse_overrides, default={},
                         help="declared choices to override, name=value,... (True/False for flags)")
     args = parser.parse_args(argv)
     status = availability.software_status()

@@ -3,6 +3,7 @@ compute-sanitizer (memcheck, racecheck):
 
     compute-sanitizer --tool memcheck python bench/cute_sanitize_grid.py [--cute-bias]
     compute-sanitizer --tool racecheck python bench/cute_sanitize_grid.py [--cute-bias] [--only TEXT]
+        [--choices name=value,...]
 
 Plain attention (head dims 64/128/256, causal and not, GQA, ragged lengths, varlen with empty
 and one-token sequences), a tile-sparse mask, fully masked rows, and with --cute-bias a dense
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 
 from flash_dma import flash_dma_func, flash_dma_varlen_func  # noqa: E402
 from flash_dma.ops.dynamic_mask_attention import attention_reference  # noqa: E402
-from flash_dma.runtime.config import overrides  # noqa: E402
+from flash_dma.runtime.config import overrides, parse_overrides  # noqa: E402
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,6 +64,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cute-bias", action="store_true")
     parser.add_argument("--only", help="run only the cases whose name contains this text")
+    parser.add_argument("--choices", type=parse_overrides, default={},
+                        help="declared choices to override, name=value,... (True/False for flags)")
     args = parser.parse_args()
     torch.manual_seed(0)
     cases = []
@@ -102,7 +105,7 @@ def main() -> int:
     if args.only:
         cases = [case for case in cases if args.only in case[0]]
     bad = 0
-    with overrides(attention_backend="cute", attention_cute_bias=args.cute_bias):
+    with overrides(attention_backend="cute", attention_cute_bias=args.cute_bias, **args.choices):
         for name, run in cases:
             err, finite = run()
             ok = finite and not (err == err and err > 2e-2)

@@ -95,6 +95,14 @@ def overrides(**choices):
             del _OVERRIDES[next(i for i, d in enumerate(_OVERRIDES) if d is mine)]
 
 
+def parse_overrides(text: str) -> dict:
+    """Choice overrides written "name=value,name=value" (True/False for flags), as the bench and
+    diagnosis scripts take them, -> keyword arguments for `overrides`."""
+    flags = {"True": True, "False": False}
+    pairs = (item.split("=", 1) for item in text.split(",") if item)
+    return {name.strip(): flags.get(value.strip(), value.strip()) for name, value in pairs}
+
+
 def overridden(name: str) -> Any | None:
     """The override in force for a choice or a kernel's launch configuration, else None."""
     return _OVERRIDES[-1].get(name)
