@@ -49,6 +49,9 @@ PAIRS = {
     "bias": (None, lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), "store"),
     "bias-shared": (None, lambda B, H, Hk, Sq, Sk: (1, Hk, Sq, Sk), "atomic"),
     "bias-keys": (None, lambda B, H, Hk, Sq, Sk: (B, 1, 1, Sk), None),
+    # dbias summed over queries (cute/backward_bias.py): stored per (batch, head), or atomic
+    "bias-keys-dbias": (None, lambda B, H, Hk, Sq, Sk: (B, H, 1, Sk), "store"),
+    "bias-keys-shared": (None, lambda B, H, Hk, Sq, Sk: (1, Hk, 1, Sk), "atomic"),
     "mask": (lambda B, H, Hk, Sq, Sk: (B, H, Sq, Sk), None, None),
     "mask-keys": (lambda B, H, Hk, Sq, Sk: (1, Hk, 1, Sk), None, None),
     "mask-bias": (lambda B, H, Hk, Sq, Sk: (B, 1, Sq, Sk),

@@ -394,7 +394,8 @@ def _cute_backward_or_triton(fwd: CutePlan, q: torch.Tensor, mask, bias, want_db
     else:
         gap = masked_backward_gap(seqlen_q=pb.seqlen_q, seqlen_k=pb.seqlen_k, batch=pb.batch,
                                   num_heads=pb.num_heads, mask=mask, bias=bias,
-                                  want_dbias=want_dbias, deterministic=deterministic)
+                                  want_dbias=want_dbias, deterministic=deterministic,
+                                  head_dim=pb.head_dim, path=fwd.bias_path)
         if gap is not None:
             profile.log_fallback("attention", "the CuTe backward", "Triton", gap)
             return _triton_forward_plan(pb, q, mask, bias, Chosen("triton", f"CuTe backward: {gap}"))

@@ -520,12 +520,13 @@ def on_cute(monkeypatch):
         yield ran
 
 
-def _expected_cute_backward(mask, bias, B, H, Sq, Sk, deterministic=False):
+def _expected_cute_backward(mask, bias, B, H, Sq, Sk, head_dim, deterministic=False):
     from flash_dma.ops.dynamic_mask_attention.cute import masked
     if mask is None and bias is None:
         return "cute"
     gap = masked.backward_gap(seqlen_q=Sq, seqlen_k=Sk, batch=B, num_heads=H, mask=mask, bias=bias,
-                              want_dbias=bias is not None, deterministic=deterministic)
+                              want_dbias=bias is not None, deterministic=deterministic,
+                              head_dim=head_dim)
     return "cute" if gap is None else "triton"
 
 
@@ -585,6 +586,40 @@ def test_gpu_cute_bias_forward_tma(on_cute, caplog, heads_batch, head_dim, seqle
     assert [p for p in on_cute if p[0] == "fwd"] == [("fwd", "cute")] * 3
     diff = (out_tma.double() - out_direct.double()).norm() / out_direct.double().norm()
     assert diff < 2e-3, diff
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(2, 4, 1, 0), (1, 4, 1, 0), (2, 2, 1, 0), (1, 1, 1, 0)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_k", [257, 1030, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cute_dbias_summed_over_queries(on_cute, bias_shape, head_dim, seqlen_k, causal):
+    """A bias broadcast along queries ([B|1, H|Hk|1, 1, Sk], Doge's): the CuTe backward sums its
+    dbias per key tile in registers (cute/backward_bias.py) at head dims 64 and 128, stored per
+    (batch, head) or added in fp32 atomics where shared; D256 runs the Triton backward. Against
+    the fp64 reference; Sq 300 leaves a partial query tile, Sk 100 < Sq query tiles with no key
+    under causal; GQA."""
+    dtype = torch.bfloat16
+    shape = bias_shape[:3] + (seqlen_k,)
+    q, k, v, _, bias = make_inputs(2, 300, seqlen_k, 4, 2, head_dim, dtype, None, shape)
+    check_against_reference(q, k, v, None, bias, causal, dtype)
+    expected = "cute" if head_dim in (64, 128) else "triton"
+    assert on_cute == [("fwd", "cute"), ("bwd", expected)]
+    assert _expected_cute_backward(None, bias, 2, 4, 300, seqlen_k, head_dim) == expected
+
+
+@pytest.mark.gpu
+def test_gpu_cute_dbias_summed_over_queries_is_deterministic(on_cute):
+    """One writer per (batch, head, key): the same dbias bit for bit on every run."""
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 1030, 4, 2, 128, dtype, None, (2, 4, 1, 1030))
+    grads = []
+    for _ in range(2):
+        leaf = bias.clone().requires_grad_()
+        out = flash_dma_func(q, k, v, attn_bias=leaf, is_causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, leaf, torch.ones_like(out))[0])
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    assert on_cute.count(("bwd", "cute")) == 2
 
 
 TMA_BACKWARD_PARTS = {"bias": dict(attention_cute_dbias_tma=False),
@@ -704,7 +739,8 @@ def test_gpu_cute_mask_and_bias_broadcasts(on_cute, kind, causal, head_dim):
     if mask is not None and sparsity.choose_mode(mask, H, Hk) == sparsity.KV_GATHERED:
         assert on_cute == [("fwd", "triton"), ("bwd", "triton")]  # gathered keys stay on Triton
     else:
-        assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, B, H, Sq, Sk))]
+        assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, B, H, Sq, Sk,
+                                                                            head_dim))]
 
 
 @pytest.mark.gpu
@@ -718,7 +754,7 @@ def test_gpu_cute_dbias_every_head_and_batch_broadcast(on_cute, bias_shape, bias
     q, k, v, mask, bias = make_inputs(2, 130, 200, 4, 2, 128, dtype, (2, 1, 130, 200), bias_shape,
                                       bias_dtype=bias_dtype)
     check_against_reference(q, k, v, mask, bias, True, dtype)
-    assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, 2, 4, 130, 200))]
+    assert on_cute == [("fwd", "cute"), ("bwd", _expected_cute_backward(mask, bias, 2, 4, 130, 200, 128))]
 
 
 @pytest.mark.gpu

@@ -10,7 +10,13 @@ atomic add where batches or query heads share it ("atomic", zeros skipped), noth
 backward computes S transposed (SdP_swapAB), so no index needs FA4's GQA decoding (hooks.py's
 `_unfold` is for the generic path only).
 
-Declared choice attention_cute_direct_bias_backward (off until measured on a GPU).
+A bias broadcast along queries ([B|1, H|Hk|1, 1, Sk], "sum_queries"): each CTA of FA4's backward
+owns one key tile and walks every query tile, so dbias for its keys is summed in registers across
+the rounds (each thread its own keys' columns, over its queries inside the problem) and written
+once per tile in the epilogue, after a reduction over the four lanes that share a key row of the
+transposed score tile: a store where each (batch, head) has its own bias row, fp32 atomics (one
+per key and CTA) where it is shared. Needs SdP_swapAB (keys are the rows of the score tile, each
+owned by one quad of one warp): head dims 64, 96 and 128 (masked.SUM_QUERIES_HEAD_DIMS).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from cutlass import Float32, const_expr
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 from flash_attn.cute.utils import AuxData
+from quack import layout_utils
 
 from . import hooks
 from .forward_bias import fa4_class_swapped
@@ -37,9 +44,10 @@ DBIAS_MODES = ("none", "store", "atomic")
 
 
 @functools.lru_cache(maxsize=None)
-def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str):
+def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_queries: bool = False):
     """The score_mod_bwd FA4 is given beside a direct bias in the backward (never called: the
-    class below replaces the method that would); marked with the dbias slot, grouping and mode."""
+    class below replaces the method that would); marked with the dbias slot, grouping and mode,
+    and whether dbias sums over queries (a bias broadcast along them)."""
     if mode not in DBIAS_MODES:
         raise ValueError(f"mode: expected one of {DBIAS_MODES}, got {mode!r}")
 
@@ -47,9 +55,9 @@ def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str):
     def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         return grad
 
-    score_mod_bwd.direct_dbias = (dbias_slot, grouped, mode)
+    score_mod_bwd.direct_dbias = (dbias_slot, grouped, mode, sum_queries)
     score_mod_bwd.__cute_hash__ = hashlib.sha256(
-        f"{_SOURCE_DIGEST}:direct-dbias:{dbias_slot}:{grouped}:{mode}".encode()).hexdigest()
+        f"{_SOURCE_DIGEST}:direct-dbias:{dbias_slot}:{grouped}:{mode}:{sum_queries}".encode()).hexdigest()
     return score_mod_bwd
 
 
@@ -71,6 +79,73 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         if const_expr(self.SdP_swapAB):
             return coord[1], coord[0]
         return coord[0], coord[1]
+
+    def _sums_queries(self):
+        spec = getattr(self.score_mod_bwd, "direct_dbias", None)
+        return spec is not None and spec[2] != "none" and spec[3]
+
+    @cute.jit
+    def mma(self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
+            mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
+            sdQaccum, pipeline_Q, pipeline_dO, tidx, tma_atom_dK, tma_atom_dV,
+            r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
+            AttentionMaskCls, TileSchedulerCls, aux_data=AuxData(), fastdiv_mods=(None, None),
+            blocksparse_tensors=None, qhead_per_kvhead_divmod=None, is_dQ_wg=True):
+        if const_expr(self._sums_queries()):
+            # the dbias of this thread's keys (SdP_swapAB: masked.SUM_QUERIES_HEAD_DIMS), summed
+            # over every round of a tile in registers that live across FA4's round loop; columns
+            # of the (query, key) view of its score fragment
+            thr_mma = tiled_mma_SdP.get_slice(tidx)
+            self._score_thr_mma, self._aux_tensors = thr_mma, aux_data.tensors
+            coords = layout_utils.reshape_acc_to_mn(
+                thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
+                transpose=self.SdP_swapAB)
+            self._key_sums = cute.make_rmem_tensor(cute.size(coords, mode=[1]), Float32)
+            self._key_sums.fill(0.0)
+        FlashAttentionBackwardSm90.mma(
+            self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
+            mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
+            sdQaccum, pipeline_Q, pipeline_dO, tidx, tma_atom_dK, tma_atom_dV,
+            r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
+            AttentionMaskCls, TileSchedulerCls, aux_data, fastdiv_mods, blocksparse_tensors,
+            qhead_per_kvhead_divmod, is_dQ_wg=is_dQ_wg)
+
+    @cute.jit
+    def epilogue_dKV(self, acc_dV, mdV, sV, acc_dK, mdK, sK, seqlen, tma_atom_dK, tma_atom_dV,
+                     tiled_mma_dK, tiled_mma_dV, tidx, n_block, head_idx, batch_idx,
+                     qhead_per_kvhead_divmod=None, mdK_semaphore=None, mdV_semaphore=None):
+        if const_expr(self._sums_queries()):
+            self._write_key_sums(seqlen, n_block, head_idx, batch_idx)
+        FlashAttentionBackwardSm90.epilogue_dKV(
+            self, acc_dV, mdV, sV, acc_dK, mdK, sK, seqlen, tma_atom_dK, tma_atom_dV,
+            tiled_mma_dK, tiled_mma_dV, tidx, n_block, head_idx, batch_idx,
+            qhead_per_kvhead_divmod, mdK_semaphore, mdV_semaphore)
+
+    @cute.jit
+    def _write_key_sums(self, seqlen, n_block, head_idx, batch_idx):
+        """The tile's per-key dbias: the four lanes sharing a key row add their sums, the first
+        writes it; the sums restart for the next tile."""
+        dbias_slot, grouped, mode, _ = self.score_mod_bwd.direct_dbias
+        dbias = self._aux_tensors[dbias_slot]
+        coords = layout_utils.reshape_acc_to_mn(
+            self._score_thr_mma.partition_C(cute.domain_offset(
+                (n_block * self.tile_n, 0), cute.make_identity_tensor((self.tile_n, self.tile_m)))),
+            transpose=self.SdP_swapAB)
+        first_of_quad = cute.arch.lane_idx() % 4 == 0
+        for c in cutlass.range_constexpr(cute.size(self._key_sums.shape)):
+            total = self._key_sums[c]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            _, k = self._query_key(coords[0, c])
+            if first_of_quad & (k < seqlen.seqlen_k):
+                at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, 0, k)
+                if const_expr(mode == "atomic"):
+                    fa_utils.atomic_add_fp32(total, at)
+                else:
+                    cell = cute.make_rmem_tensor(1, Float32)
+                    cell[0] = total
+                    cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+            self._key_sums[c] = Float32(0.0)
 
     @cute.jit
     def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
@@ -105,8 +180,19 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
                 n_block, softmax_scale, seqlen_info, aux_data, fastdiv_mods)
         else:
-            dbias_slot, grouped, mode = self.score_mod_bwd.direct_dbias
-            if const_expr(mode != "none"):
+            dbias_slot, grouped, mode, sum_queries = self.score_mod_bwd.direct_dbias
+            if const_expr(mode != "none" and sum_queries):
+                # the share of this round in the per-key sums (queries inside the problem only)
+                grads = layout_utils.reshape_acc_to_mn(grad_tensor, transpose=self.SdP_swapAB)
+                coords = layout_utils.reshape_acc_to_mn(
+                    self._score_coords(thr_mma_SdP, m_block, n_block), transpose=self.SdP_swapAB)
+                for c in cutlass.range_constexpr(cute.size(grads, mode=[1])):
+                    column = Float32(0.0)
+                    for r in cutlass.range_constexpr(cute.size(grads, mode=[0])):
+                        q, _ = self._query_key(coords[r, c])
+                        column += cutlass.select_(q < seqlen_info.seqlen_q, grads[r, c], Float32(0.0))
+                    self._key_sums[c] += column
+            elif const_expr(mode != "none"):
                 dbias = aux_data.tensors[dbias_slot]
                 coords = self._score_coords(thr_mma_SdP, m_block, n_block)
                 for i in cutlass.range_constexpr(cute.size(grad_tensor.shape)):
@@ -121,6 +207,12 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                             cell = cute.make_rmem_tensor(1, Float32)
                             cell[0] = g
                             cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+
+
+# The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
+for _name in ("mma", "epilogue_dKV"):
+    getattr(DirectBiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
+        getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 
 
 def direct_bias_backward_kernel():

@@ -221,7 +221,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 cute.arch.mbarrier_init_fence()
                 cute.arch.barrier(barrier_id=int(BIAS_INIT_BARRIER),
                                   number_of_threads=self.num_mma_threads)
-        FlashAttentionBackwardSm90.mma(
+        backward_bias.DirectBiasBackwardSm90.mma(
             self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
             mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
             sdQaccum, pipeline_Q, pipeline_dO, tidx, tma_atom_dK, tma_atom_dV,

@@ -99,6 +99,9 @@ TMA_BIAS_HEAD_DIMS = (64, 128)
 # The TMA dbias store: FA4 4.0.0b36's SM90 backward double-buffers its dS tile at these head dims
 # (the store's wait and the tile's next write are two rounds apart).
 TMA_DBIAS_HEAD_DIMS = (64, 128)
+# dbias of a bias broadcast along queries, summed per key tile in registers (backward_bias.py):
+# where FA4 4.0.0b36's SM90 backward computes the scores transposed (keys as rows).
+SUM_QUERIES_HEAD_DIMS = (64, 96, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +168,26 @@ def dbias_reduce(batch: int, num_heads: int, bias: torch.Tensor) -> str:
     return "store"
 
 
+def sums_queries(bias, seqlen_q: int) -> bool:
+    """Whether dbias sums dS over queries (a bias broadcast along them: backward_bias.py)."""
+    return bias is not None and bias.shape[2] == 1 and seqlen_q > 1
+
+
 def backward_gap(*, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask, bias,
-                 want_dbias: bool, deterministic: bool) -> str | None:
-    """None when this path computes the backward; else why not."""
-    if want_dbias and ((bias.shape[2] == 1 and seqlen_q > 1) or (bias.shape[3] == 1 and seqlen_k > 1)):
-        return ("the CuTe backend computes no dbias for a bias broadcast along queries or keys "
+                 want_dbias: bool, deterministic: bool, head_dim: int,
+                 path: BiasPath | None = None) -> str | None:
+    """None when this path computes the backward; else why not. path: the call's bias choices
+    (`bias_path` when None)."""
+    if want_dbias and bias.shape[3] == 1 and seqlen_k > 1:
+        return ("the CuTe backend computes no dbias for a bias broadcast along keys "
                 f"(bias shape {tuple(bias.shape)})")
+    if want_dbias and sums_queries(bias, seqlen_q):
+        direct = (path.direct_backward if path is not None
+                  else choice("attention_cute_direct_bias_backward").value)
+        if not direct or head_dim not in SUM_QUERIES_HEAD_DIMS:
+            return ("the CuTe backend sums dbias over queries in its direct backward at head dims "
+                    f"{', '.join(map(str, SUM_QUERIES_HEAD_DIMS))} only (bias shape "
+                    f"{tuple(bias.shape)}, head dim {head_dim})")
     if deterministic and mask is not None:
         return "the CuTe backend has no deterministic backward with a mask"
     if deterministic and want_dbias and dbias_reduce(batch, num_heads, bias) == "atomic":
@@ -417,7 +434,8 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
         score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], "none", False,
                                                        CUTLASS_TYPE_NAMES[bias.dtype])
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
-            DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none")
+            DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none",
+            dbias_mode is not None and sums_queries(bias, seqlen_q))
         kernel = backward_bias.direct_bias_backward_kernel()
         tma_bias = tma_dbias = None
         # at other head dims the per-element forms are the path, not a fallback

@@ -4,6 +4,8 @@ dim), the fixed aux slots, and the dbias reduction choice. Needs no CuTe stack."
 import pytest
 import torch
 
+from flash_dma.runtime import config
+
 from flash_dma.ops.dynamic_mask_attention.cute import masked
 from flash_dma.ops.dynamic_mask_attention.reference import heads_to
 
@@ -55,15 +57,25 @@ def test_dbias_reduce(shape, reduce):
 
 
 def test_backward_gaps():
-    kw = dict(seqlen_q=SQ, seqlen_k=SK, batch=B, num_heads=H, want_dbias=True, deterministic=False)
+    kw = dict(seqlen_q=SQ, seqlen_k=SK, batch=B, num_heads=H, want_dbias=True, deterministic=False,
+              head_dim=128)
     assert masked.backward_gap(mask=None, bias=torch.empty(B, H, SQ, SK), **kw) is None
-    assert "queries or keys" in masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **kw)
-    assert "queries or keys" in masked.backward_gap(mask=None, bias=torch.empty(B, H, SQ, 1), **kw)
+    assert "along keys" in masked.backward_gap(mask=None, bias=torch.empty(B, H, SQ, 1), **kw)
+    # a bias broadcast along queries: dbias summed per key tile where FA4's scores are transposed
+    for head_dim in masked.SUM_QUERIES_HEAD_DIMS:
+        assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **{**kw, "head_dim": head_dim}) is None
+    assert "over queries" in masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK),
+                                                 **{**kw, "head_dim": 256})
+    with config.overrides(attention_cute_direct_bias_backward=False):
+        assert "over queries" in masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **kw)
     # a single query (or key) is no broadcast
-    assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **{**kw, "seqlen_q": 1}) is None
-    assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **{**kw, "want_dbias": False}) is None
+    assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK),
+                               **{**kw, "seqlen_q": 1, "head_dim": 256}) is None
+    assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK),
+                               **{**kw, "want_dbias": False, "head_dim": 256}) is None
     det = {**kw, "deterministic": True}
     assert masked.backward_gap(mask=None, bias=torch.empty(B, H, SQ, SK), **det) is None
+    assert masked.backward_gap(mask=None, bias=torch.empty(B, H, 1, SK), **det) is None  # one writer
     assert "atomics" in masked.backward_gap(mask=None, bias=torch.empty(1, H, SQ, SK), **det)
     assert "mask" in masked.backward_gap(mask=torch.empty(B, H, SQ, SK, dtype=torch.bool), bias=None,
                                          **{**det, "want_dbias": False})
