@@ -96,7 +96,7 @@ def test_attention_sweep_stores_the_fastest_and_the_plan_reads_it(fake_gpu):
     assert config.config_name(fast) in line and outcome.key in line and "1 skipped" in line
     # a plan built afterwards for that kernel, head dim, dtype and variant takes the winner
     q = SimpleNamespace(device=CUDA, dtype=torch.bfloat16, element_size=lambda: 2)
-    bias = SimpleNamespace(element_size=lambda: 2, shape=(2, 16, 4096, 4096), dtype=torch.bfloat16)
+    bias = torch.empty((), dtype=torch.bfloat16).expand(2, 16, 4096, 4096)  # a stand-in, never read
     pb = attention_plan.AttentionProblem(2, 16, 16, 128, 4096, 4096, False, False, 128 ** -0.5, None, None)
     fwd = attention_plan.plan_forward(pb, q, None, bias)
     assert fwd.forward.variant == "bias"
