@@ -32,13 +32,20 @@ BACKEND_ENV = "FLASH_DMA_BACKEND"
 # (cute/forward_bias_tma.py) ties the Triton forward at D64 (1.04x on the H100,
 # cute-bias-bwd-tma-NVIDIA-H100-80GB-HBM3-20261126.txt) and the CuTe backward after it leads
 # (below), so D64 takes CuTe too.
-CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (128, 256), "dense": (128, 256), "dense_tma": (64, 128, 256)}
+# A per-key bias at D64: the Triton forward leads (0.381 against 0.440 ms, H100), but the CuTe
+# backward after it leads by more (0.90 against 1.36 ms; forward + backward 1.30x), so D64 takes
+# CuTe too.
+CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (64, 128, 256), "dense": (128, 256),
+                               "dense_tma": (64, 128, 256)}
 # ... and where its backward (dq, dk, dv, dbias) runs on CuTe too: with one dbias writer per
 # entry, a dense bias at D256 (read per element: 1.60x the Triton backward on the H200) and one
 # the backward reads and whose dbias it stores by TMA (cute/backward_bias_tma.py) at D64 and
 # D128 (H100, B2 H16 S4096: 1.31x the Triton backward at D64, 1.01x at D128, 1.67x at D128
-# causal). Elsewhere the Triton backward leads, and reads the CuTe forward's out and lse.
-CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,), "dense_tma": (64, 128, 256)}
+# causal); and a per-key bias at D64 and D128, whose dbias it sums over queries per key tile in
+# registers (cute/backward_bias.py; H100, B2 H16 S4096: 1.51x and 1.57x the Triton backward,
+# bench/results/cute-bias-key-NVIDIA-H100-80GB-HBM3-20261126.txt). Elsewhere the Triton backward
+# leads, and reads the CuTe forward's out and lse.
+CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,), "dense_tma": (64, 128, 256), "per_key": (64, 128)}
 BIAS_LAYOUTS = tuple(CUTE_BIAS_FORWARD_HEAD_DIMS)
 BIAS_LAYOUT_WORDS = {"per_key": "per key", "dense": "dense", "dense_tma": "dense TMA-loadable"}
 BACKEND_CHOICES = ("auto", "triton", "cute")
@@ -122,9 +129,11 @@ def auto_backward_on_triton(has_mask: bool, head_dim: int, bias_kind: str | None
     if head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(bias_kind, ()) and dbias_reduce != "atomic":
         return None
     return ("auto: the Triton backward leads the CuTe one with this bias (CuTe's leads with a "
-            "16-bit dense bias and one dbias writer per entry at head dim 256, and at head dims "
+            "16-bit bias and one dbias writer per entry: dense at head dim 256, and at head dims "
             f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['dense_tma']))} where TMA can load "
-            "it as it lies in memory); FLASH_DMA_BACKEND=cute forces it")
+            "it as it lies in memory; per key at head dims "
+            f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['per_key']))}); "
+            "FLASH_DMA_BACKEND=cute forces it")
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,

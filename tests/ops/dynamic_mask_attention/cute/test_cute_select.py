@@ -80,7 +80,7 @@ def test_masks_and_biases_stay_on_triton_under_auto_and_go_to_cute_when_forced(s
         assert backend == "triton" and "attention_cute_bias" in reason, reason
 
 
-@pytest.mark.parametrize("bias_kind", ["per_key", "dense", None])
+@pytest.mark.parametrize("bias_kind", ["per_key", "dense", "dense_tma", None])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_auto_sends_a_bias_to_cute_where_its_forward_measured_faster(status, head_dim, bias_kind):
     """A 16-bit bias without a mask takes the CuTe forward under auto at the layouts and head dims
@@ -94,7 +94,7 @@ def test_auto_sends_a_bias_to_cute_where_its_forward_measured_faster(status, hea
         assert backend == "cute" and "biased" in reason, reason
         with config.overrides(attention_cute_direct_bias=False):  # the hook path measured slower
             backend, reason = choose_backend("cuda", requested="auto", **call)
-    assert backend == "triton" and "leads with a 16-bit per key bias at head dim 128" in reason, reason
+    assert backend == "triton" and "leads with a 16-bit per key bias at head dim 64, 128, 256" in reason, reason
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
