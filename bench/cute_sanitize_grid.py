@@ -89,6 +89,9 @@ def main() -> int:
         cases.append(("bias [B,H,Sq,Sk] D128 causal Sq300 Sk100 (paired loads; key tile -1)",
                       lambda: fixed_case(128, True, 4, 2, 300, 100,
                                          bias=torch.randn(1, 4, 300, 100, device="cuda", dtype=torch.bfloat16))))
+        cases.append(("bias [B,H,1,Sk] (dbias summed over queries) D64 causal Sq300 Sk100",
+                      lambda: fixed_case(64, True, 4, 2, 300, 100,
+                                         bias=torch.randn(1, 4, 1, 100, device="cuda", dtype=torch.bfloat16))))
         cases.append(("bias [1,Hk,Sq,Sk] (atomic dbias) D128 causal",
                       lambda: fixed_case(128, True, 4, 2, 197, 133,
                                          bias=torch.randn(1, 2, 197, 133, device="cuda", dtype=torch.bfloat16))))
