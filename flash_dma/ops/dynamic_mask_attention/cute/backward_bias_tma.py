@@ -50,6 +50,7 @@ from quack import copy_utils, layout_utils
 
 from . import backward_bias
 from .forward_bias import fa4_class_swapped
+from .forward_bias_tma import bias_head_and_batch
 
 with open(__file__, "rb") as _source:
     # with backward_bias.py's (and through it hooks.py's): the class builds on both
@@ -249,12 +250,8 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
             m_block_max = None
             if const_expr(self._takes_bias()):
                 _, batch_broadcast, head_mode = self._spec().bias
-                head = head_idx
-                if const_expr(head_mode == "kv"):
-                    head = head_idx // self.qhead_per_kvhead
-                elif const_expr(head_mode == "shared"):
-                    head = 0
-                batch = 0 if const_expr(batch_broadcast) else batch_idx
+                head, batch = bias_head_and_batch(head_mode, batch_broadcast, head_idx, batch_idx,
+                                                  self.qhead_per_kvhead)
                 rows = cute.local_tile(self._tma.bias[None, None, head, batch],
                                        (self.tile_m, self.tile_n), (None, n_block))
                 self._round.load, _, _ = copy_utils.tma_get_copy_fn(

@@ -57,6 +57,19 @@ BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (
 L2_EVICT_FIRST = 0x12F0000000000000
 
 
+def bias_head_and_batch(head_mode: str, batch_broadcast: bool, head_idx, batch_idx,
+                        qhead_per_kvhead: int):
+    """The (head, batch) of the bias's TMA view that a query head and batch read (traced code):
+    head_mode "each" (one bias per query head), "kv" (per kv head) or "shared"; batch 0 where
+    the bias is broadcast along batches."""
+    head = head_idx
+    if head_mode == "kv":
+        head = head_idx // qhead_per_kvhead
+    elif head_mode == "shared":
+        head = 0
+    return head, (0 if batch_broadcast else batch_idx)
+
+
 @functools.lru_cache(maxsize=None)
 def order_matches_fa4() -> bool:
     """FA4's dense key walk, which the bias warp repeats: its consumers take key tile
@@ -202,12 +215,8 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
         while work_tile.is_valid_tile:
             m_block, head_idx, batch_idx, _ = work_tile.tile_idx
             seqlen = SeqlenInfoCls(batch_idx)
-            head = head_idx
-            if const_expr(head_mode == "kv"):
-                head = head_idx // self.qhead_per_kvhead
-            elif const_expr(head_mode == "shared"):
-                head = 0
-            batch = 0 if const_expr(batch_broadcast) else batch_idx
+            head, batch = bias_head_and_batch(head_mode, batch_broadcast, head_idx, batch_idx,
+                                              self.qhead_per_kvhead)
             rows = cute.local_tile(self._bias_ring.tensor[None, None, head, batch],
                                    (self.tile_m, self.tile_n), (m_block, None))
             copy, _, _ = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
@@ -273,5 +282,5 @@ def tma_bias_kernel():
     return forward_bias.fa4_class_swapped("FlashAttentionForwardSm90", TmaBiasForwardSm90)
 
 
-__all__ = ["tma_ready", "tma_view", "order_matches_fa4", "tma_bias_score_mod",
+__all__ = ["tma_ready", "tma_view", "bias_head_and_batch", "order_matches_fa4", "tma_bias_score_mod",
            "TmaBiasForwardSm90", "tma_bias_kernel"]
