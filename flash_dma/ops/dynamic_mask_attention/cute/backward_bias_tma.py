@@ -26,7 +26,7 @@ dtype, queries x keys with keys contiguous, read by the dQ GEMM), and that buffe
 
 Serves: no mask, fixed lengths, head dims where FA4 double-buffers dS
 (masked.TMA_DBIAS_HEAD_DIMS); the bias in q's dtype with full query and key dims (any batch and
-head broadcast) and `forward_bias_tma.tma_ready`; dbias "store" in q's dtype, keys a multiple of 8.
+head broadcast) and `tma_operands.tma_ready`; dbias "store" in q's dtype, keys a multiple of 8.
 Either part may run without the other.
 """
 # No `from __future__ import annotations`: the DSL reads the annotations as objects.
@@ -48,13 +48,15 @@ from flash_attn.cute.named_barrier import NamedBarrierBwd
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
-from . import backward_bias
+from . import backward_bias, forward_bias_tma
 from .forward_bias import fa4_class_swapped
 from .forward_bias_tma import bias_head_and_batch
 
 with open(__file__, "rb") as _source:
-    # with backward_bias.py's (and through it hooks.py's): the class builds on both
-    _SOURCE_DIGEST = hashlib.sha256(_source.read() + backward_bias.SOURCE_DIGEST.encode()).hexdigest()
+    # with backward_bias.py's (and through it hooks.py's): the class builds on both; and
+    # forward_bias_tma.py's, whose bias_head_and_batch it traces
+    _SOURCE_DIGEST = hashlib.sha256(_source.read() + backward_bias.SOURCE_DIGEST.encode()
+                                    + forward_bias_tma.SOURCE_DIGEST.encode()).hexdigest()
 
 # The consumer warp that issues the TMA loads and stores: the first of warpgroup 0, which FA4
 # also uses for its dK/dV stores (and whose outstanding bulk stores it waits for before the

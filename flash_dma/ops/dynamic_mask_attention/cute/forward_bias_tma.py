@@ -49,6 +49,7 @@ from .tma_operands import TMA_ALIGN_BYTES, tma_ready, tma_view  # noqa: F401 (re
 with open(__file__, "rb") as _source:
     # with forward_bias.py's (and through it hooks.py's): the class builds on both
     _SOURCE_DIGEST = hashlib.sha256(_source.read() + forward_bias.SOURCE_DIGEST.encode()).hexdigest()
+SOURCE_DIGEST = _SOURCE_DIGEST  # for kernels that trace this module's helpers
 
 BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (225 KB of 227 at D128)
 # The L2 eviction-priority operand of a TMA load (PTX createpolicy's encoding of evict_first for
