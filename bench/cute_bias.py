@@ -45,6 +45,7 @@ CASES = {
     "D128 full": dict(H=16, D=128, bias="full"),
     "D128 full causal": dict(H=16, D=128, bias="full", causal=True),
     "D128 key": dict(H=16, D=128, bias="key"),
+    "D128 key shared": dict(H=16, D=128, bias="key-shared"),
     "D64 full": dict(H=16, D=64, bias="full"),
     "D64 full causal": dict(H=16, D=64, bias="full", causal=True),
     "D256 full": dict(H=8, D=256, bias="full"),

@@ -182,7 +182,12 @@ def sliced_reference(x, causal):
     s = (slice(0, 1), slice(None), slice(0, CHECK_HEADS))
     mask = x.mask[:1, :CHECK_HEADS] if x.mask is not None else None
     bias = x.bias[:1, :CHECK_HEADS] if x.bias is not None else None
-    return reference(x.q[s], x.k[s], x.v[s], mask, bias, causal, x.dout[s])
+    ref = reference(x.q[s], x.k[s], x.v[s], mask, bias, causal, x.dout[s])
+    if bias is not None and x.bias.shape[0] == 1 and x.q.shape[0] > 1:
+        # a bias shared by the batch: its dbias sums every batch, which batch 0 alone does not
+        # give (the GPU tests check it); the other outputs still compare
+        ref = (*ref[:5], None)
+    return ref
 
 
 def speed_errors(out, grads, ref):

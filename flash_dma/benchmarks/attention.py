@@ -26,7 +26,7 @@ class AttnCase:
     S: int
     D: int
     causal: bool = False
-    bias: str | None = None  # "full" [B, H, S, S] | "key" [B, H, 1, S]
+    bias: str | None = None  # "full" [B, H, S, S] | "key" [B, H, 1, S] | "key-shared" [1, H, 1, S]
     mask: str | None = None  # "tiles-1/8" (1/8 of 128x128 tiles kept) | "topk-1024" (key-wise)
     peers: tuple[str, ...] = ()
 
@@ -57,6 +57,8 @@ def make_inputs(case: AttnCase, device="cuda") -> Inputs:
         bias = torch.randn(B, H, S, S, device=device, dtype=DTYPE)
     elif case.bias == "key":
         bias = torch.randn(B, H, 1, S, device=device, dtype=DTYPE)
+    elif case.bias == "key-shared":  # one bias row per head for the whole batch
+        bias = torch.randn(1, H, 1, S, device=device, dtype=DTYPE)
     mask, tile_keep = None, None
     if case.mask == "tiles-1/8":
         n = S // 128
@@ -133,6 +135,9 @@ def flex(case: AttnCase, x: Inputs):
         if case.bias == "full":
             def score_mod(score, b, h, q_idx, kv_idx):
                 return score + bias[b, h, q_idx, kv_idx]
+        elif case.bias == "key-shared":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + bias[0, h, 0, kv_idx]
         else:
             def score_mod(score, b, h, q_idx, kv_idx):
                 return score + bias[b, h, 0, kv_idx]
