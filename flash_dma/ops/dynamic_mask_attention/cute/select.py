@@ -46,6 +46,10 @@ CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (64, 128, 256), "dense": (128, 256),
 # bench/results/cute-bias-key-NVIDIA-H100-80GB-HBM3-20261126.txt). Elsewhere the Triton backward
 # leads, and reads the CuTe forward's out and lse.
 CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,), "dense_tma": (64, 128, 256), "per_key": (64, 128)}
+# ... also where dbias is shared by batches or heads (fp32 atomics): per key, one atomic per key
+# and CTA (a [1,H,1,S] bias at D128: 1.54x the Triton backward, H100,
+# cute-bias-key-NVIDIA-H100-80GB-HBM3-20261126.txt); a dense bias's per-score atomics trail.
+CUTE_BIAS_BACKWARD_ATOMIC_KINDS = ("per_key",)
 BIAS_LAYOUTS = tuple(CUTE_BIAS_FORWARD_HEAD_DIMS)
 BIAS_LAYOUT_WORDS = {"per_key": "per key", "dense": "dense", "dense_tma": "dense TMA-loadable"}
 BACKEND_CHOICES = ("auto", "triton", "cute")
@@ -126,10 +130,11 @@ def auto_backward_on_triton(has_mask: bool, head_dim: int, bias_kind: str | None
     if bias_kind == "dense_tma" and not (choice("attention_cute_bias_tma_backward").value and (
             dbias_reduce is None or choice("attention_cute_dbias_tma").value)):
         bias_kind = "dense"  # the TMA parts turned off: per element
-    if head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(bias_kind, ()) and dbias_reduce != "atomic":
+    if head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(bias_kind, ()) and (
+            dbias_reduce != "atomic" or bias_kind in CUTE_BIAS_BACKWARD_ATOMIC_KINDS):
         return None
     return ("auto: the Triton backward leads the CuTe one with this bias (CuTe's leads with a "
-            "16-bit bias and one dbias writer per entry: dense at head dim 256, and at head dims "
+            "16-bit bias: dense with one dbias writer per entry at head dim 256, and at head dims "
             f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['dense_tma']))} where TMA can load "
             "it as it lies in memory; per key at head dims "
             f"{', '.join(map(str, CUTE_BIAS_BACKWARD_HEAD_DIMS['per_key']))}); "

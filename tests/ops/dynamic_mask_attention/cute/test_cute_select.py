@@ -99,12 +99,13 @@ def test_auto_sends_a_bias_to_cute_where_its_forward_measured_faster(status, hea
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_auto_keeps_a_biased_backward_on_cute_only_where_it_measured_faster(head_dim):
-    from flash_dma.ops.dynamic_mask_attention.cute.select import (CUTE_BIAS_BACKWARD_HEAD_DIMS,
-                                                                  auto_backward_on_triton)
+    from flash_dma.ops.dynamic_mask_attention.cute.select import (
+        CUTE_BIAS_BACKWARD_ATOMIC_KINDS, CUTE_BIAS_BACKWARD_HEAD_DIMS, auto_backward_on_triton)
     for kind in ("dense", "dense_tma", "per_key", None):
         for reduce in ("store", "atomic", None):
             why = auto_backward_on_triton(False, head_dim, kind, reduce)
-            keep = head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(kind, ()) and reduce != "atomic"
+            keep = (head_dim in CUTE_BIAS_BACKWARD_HEAD_DIMS.get(kind, ())
+                    and (reduce != "atomic" or kind in CUTE_BIAS_BACKWARD_ATOMIC_KINDS))
             assert (why is None) == keep, (kind, reduce, why)
             if why is not None:
                 assert "Triton backward leads" in why and "FLASH_DMA_BACKEND=cute" in why
