@@ -91,17 +91,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
             AttentionMaskCls, TileSchedulerCls, aux_data=AuxData(), fastdiv_mods=(None, None),
             blocksparse_tensors=None, qhead_per_kvhead_divmod=None, is_dQ_wg=True):
-        if const_expr(self._sums_queries()):
-            # the dbias of this thread's keys (SdP_swapAB: masked.SUM_QUERIES_HEAD_DIMS), summed
-            # over every round of a tile in registers that live across FA4's round loop; columns
-            # of the (query, key) view of its score fragment
-            thr_mma = tiled_mma_SdP.get_slice(tidx)
-            self._score_thr_mma, self._aux_tensors = thr_mma, aux_data.tensors
-            coords = layout_utils.reshape_acc_to_mn(
-                thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))),
-                transpose=self.SdP_swapAB)
-            self._key_sums = cute.make_rmem_tensor(cute.size(coords, mode=[1]), Float32)
-            self._key_sums.fill(0.0)
+        self._mma_setup(tiled_mma_SdP, sdS, pipeline_dO, tidx, block_info, aux_data)
         FlashAttentionBackwardSm90.mma(
             self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
             mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
@@ -109,6 +99,26 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
             AttentionMaskCls, TileSchedulerCls, aux_data, fastdiv_mods, blocksparse_tensors,
             qhead_per_kvhead_divmod, is_dQ_wg=is_dQ_wg)
+
+    @cute.jit
+    def _mma_setup(self, tiled_mma_SdP, sdS, pipeline_dO, tidx, block_info, aux_data):
+        """What the consumer warpgroups set up before FA4's round loop (subclasses add theirs)."""
+        if const_expr(self._sums_queries()):
+            # the dbias of this thread's keys (SdP_swapAB: masked.SUM_QUERIES_HEAD_DIMS), summed
+            # over every round of a tile in registers that live across FA4's round loop; columns
+            # of the (query, key) view of its score fragment
+            self._score_thr_mma = tiled_mma_SdP.get_slice(tidx)
+            self._aux_tensors = aux_data.tensors
+            columns = cute.size(self._key_columns(0), mode=[1])
+            self._key_sums = cute.make_rmem_tensor(columns, Float32)
+            self._key_sums.fill(0.0)
+
+    @cute.jit
+    def _key_columns(self, n_block):
+        """The coordinates of this thread's score fragment of key tile n_block, as (query, key)
+        rows and columns (query tile 0: only the keys are read)."""
+        return layout_utils.reshape_acc_to_mn(self._score_coords(self._score_thr_mma, 0, n_block),
+                                              transpose=self.SdP_swapAB)
 
     @cute.jit
     def epilogue_dKV(self, acc_dV, mdV, sV, acc_dK, mdK, sK, seqlen, tma_atom_dK, tma_atom_dV,
@@ -127,10 +137,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         writes it; the sums restart for the next tile."""
         dbias_slot, grouped, mode, _ = self.score_mod_bwd.direct_dbias
         dbias = self._aux_tensors[dbias_slot]
-        coords = layout_utils.reshape_acc_to_mn(
-            self._score_thr_mma.partition_C(cute.domain_offset(
-                (n_block * self.tile_n, 0), cute.make_identity_tensor((self.tile_n, self.tile_m)))),
-            transpose=self.SdP_swapAB)
+        coords = self._key_columns(n_block)
         first_of_quad = cute.arch.lane_idx() % 4 == 0
         for c in cutlass.range_constexpr(cute.size(self._key_sums.shape)):
             total = self._key_sums[c]

@@ -197,12 +197,9 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
         return storage
 
     @cute.jit
-    def mma(self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
-            mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
-            sdQaccum, pipeline_Q, pipeline_dO, tidx, tma_atom_dK, tma_atom_dV,
-            r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
-            AttentionMaskCls, TileSchedulerCls, aux_data=AuxData(), fastdiv_mods=(None, None),
-            blocksparse_tensors=None, qhead_per_kvhead_divmod=None, is_dQ_wg=True):
+    def _mma_setup(self, tiled_mma_SdP, sdS, pipeline_dO, tidx, block_info, aux_data):
+        backward_bias.DirectBiasBackwardSm90._mma_setup(self, tiled_mma_SdP, sdS, pipeline_dO, tidx,
+                                                       block_info, aux_data)
         if const_expr(self._spec() is not None):
             # kept for this trace's rounds (mma_one_m_block and the score hooks)
             tensors = aux_data.tensors
@@ -224,13 +221,6 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 cute.arch.mbarrier_init_fence()
                 cute.arch.barrier(barrier_id=int(BIAS_INIT_BARRIER),
                                   number_of_threads=self.num_mma_threads)
-        backward_bias.DirectBiasBackwardSm90.mma(
-            self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
-            mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
-            sdQaccum, pipeline_Q, pipeline_dO, tidx, tma_atom_dK, tma_atom_dV,
-            r2s_tiled_copy_dQaccum, softmax_scale_log2, softmax_scale, block_info, SeqlenInfoCls,
-            AttentionMaskCls, TileSchedulerCls, aux_data, fastdiv_mods, blocksparse_tensors,
-            qhead_per_kvhead_divmod, is_dQ_wg=is_dQ_wg)
 
     @cute.jit
     def mma_one_m_block(self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx,
@@ -332,7 +322,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
-for _name in ("__call__", "mma", "mma_one_m_block"):
+for _name in ("__call__", "mma_one_m_block"):
     getattr(TmaBiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
         getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 

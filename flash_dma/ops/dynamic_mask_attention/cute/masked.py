@@ -307,11 +307,9 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
             from . import forward_bias_tma, tma_operands
             tma_slot = len(aux)
             aux.append(tma_operands.tma_view(bias))
-            heads = bias.shape[1]
-            head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
             score_mod = forward_bias_tma.tma_bias_score_mod(
-                tma_slot, bias.shape[0] == 1, head_mode, CUTLASS_TYPE_NAMES[bias.dtype],
-                path.tma_evict_first)
+                tma_slot, bias.shape[0] == 1, _tma_head_mode(bias, num_heads),
+                CUTLASS_TYPE_NAMES[bias.dtype], path.tma_evict_first)
             kernel = forward_bias_tma.tma_bias_kernel()
             pack_gqa = False  # the bias warp reads one query head's rows per tile
         else:
@@ -336,6 +334,13 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
     # rows with no visible key (the mask, causal with Sq > Sk, or a bias of -inf): FA4's -inf
     plain._empty_rows_to_plus_inf(lse)
     return out, lse
+
+
+def _tma_head_mode(bias, num_heads: int) -> str:
+    """Which head's bias a query head reads in the TMA kernels: "each" (its own), "kv" (its kv
+    head's) or "shared" (one for all)."""
+    heads = bias.shape[1]
+    return "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
 
 
 def tma_layout(mask, bias, loadable: bool = False) -> bool:
@@ -374,18 +379,16 @@ def _tma_bias_gap(q, mask, bias, seqlen_q: int, seqlen_k: int) -> str | None:
     return gap
 
 
-def _tma_backward_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, what: str,
-                      check_fa4: bool = True) -> str | None:
+def _tma_backward_gap(q, mask, tensor, seqlen_q: int, seqlen_k: int, what: str) -> str | None:
     """None where the TMA backward (cute/backward_bias_tma.py) can take this bias or dbias
-    buffer (what: "bias" or "dbias") by TMA; else why not. check_fa4: also read the installed
-    FA4's source (imports the CuTe stack)."""
+    buffer (what: "bias" or "dbias") by TMA; else why not."""
     if tensor.dtype != q.dtype:
         return f"FA4's dS tile is {q.dtype}, the {what} is {tensor.dtype}"
     gap = _tma_gap(q, mask, tensor, seqlen_q, seqlen_k, TMA_DBIAS_HEAD_DIMS,
                    "FA4 double-buffers dS",
                    f"TMA needs a {what} with full query and key dims, keys contiguous, other "
                    "strides and the start 16-byte aligned (for a contiguous one: keys a multiple of 8)")
-    if gap is None and check_fa4:
+    if gap is None:
         from . import backward_bias_tma
         if not backward_bias_tma.round_matches_fa4():
             return "the installed FA4's backward round is not the one the TMA backward was placed in"
@@ -444,9 +447,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
             gap = _tma_backward_gap(q, mask, bias, seqlen_q, seqlen_k, "bias")
             if gap is None:
                 from . import tma_operands
-                heads = bias.shape[1]
-                head_mode = "each" if heads == num_heads else ("shared" if heads == 1 else "kv")
-                tma_bias = (len(aux), bias.shape[0] == 1, head_mode)
+                tma_bias = (len(aux), bias.shape[0] == 1, _tma_head_mode(bias, num_heads))
                 aux.append(tma_operands.tma_view(bias))
             else:
                 profile.log_fallback("attention", "the CuTe TMA bias read in the backward",
