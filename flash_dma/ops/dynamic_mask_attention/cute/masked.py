@@ -86,13 +86,12 @@ declare_choice("attention_cute_bias_pairs", True, (False, True),
 
 # The register prefetch holds a key tile's bias in each consumer thread: spill-free only at head
 # dim 128 without causal (ptxas), where it led the L2 prefetch; at 64 and 256, and causal at 128,
-# its spills made it slower (bench/results/cute-bias-NVIDIA-H200-20261126.txt,
-# cute-bias-tma-NVIDIA-H100-80GB-HBM3-20261126.txt).
+# its spills made it slower (bench/results/cute-bias-20261126.txt, sections 1 and 2).
 REGISTER_PREFETCH_HEAD_DIMS = (128,)
 # The TMA bias forward: FA4 4.0.0b36's SM90 forward tiles leave room for two bias stages at
 # these head dims (192x128 at D64, 128x128 at D128; D256's 128x80 leaves 2 KB); it led the
-# register and L2 forms at both without causal (bench/results/cute-bias-tma-NVIDIA-H100-80GB-HBM3-
-# 20261126.txt). Under causal its times scattered between runs of one process (D128: 0.32 to
+# register and L2 forms at both without causal (bench/results/cute-bias-20261126.txt, section
+# 2). Under causal its times scattered between runs of one process (D128: 0.32 to
 # 0.53 ms against the L2 form's steady 0.41), so auto keeps causal calls on the L2 form until that
 # is understood.
 TMA_BIAS_HEAD_DIMS = (64, 128)

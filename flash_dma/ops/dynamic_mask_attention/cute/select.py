@@ -24,13 +24,12 @@ from .tma_operands import tma_ready
 BACKEND_ENV = "FLASH_DMA_BACKEND"
 # Where auto sends a 16-bit bias without a mask to the CuTe forward (direct-bias forward on), by
 # the bias's layout: "per_key" [B|1, H|Hk|1, 1, Sk] (Doge's), "dense" [B|1, H|Hk|1, Sq, Sk].
-# Measured at B2 S4096 (bench/results/cute-bias-NVIDIA-H200-20261126.txt; an H100 run of
-# the same cases is in git history as cute-bias-NVIDIA-H100-80GB-HBM3-20261126.txt):
+# Measured at B2 S4096 (bench/results/cute-bias-20261126.txt, section 1):
 # per key 1.18-1.24x the Triton forward at D128, 1.31x at D256, 0.84x at D64; dense 1.05-1.13x at
 # D128 (1.04x causal), 1.15-1.22x at D256. "dense_tma" is a dense bias TMA can load as it lies
 # (tma_operands.tma_ready: keys contiguous, 16-byte aligned rows): the TMA forward
 # (cute/forward_bias_tma.py) ties the Triton forward at D64 (1.04x on the H100,
-# cute-bias-bwd-tma-NVIDIA-H100-80GB-HBM3-20261126.txt) and the CuTe backward after it leads
+# cute-bias-20261126.txt section 3) and the CuTe backward after it leads
 # (below), so D64 takes CuTe too.
 # A per-key bias at D64: the Triton forward leads (0.381 against 0.440 ms, H100), but the CuTe
 # backward after it leads by more (0.90 against 1.36 ms; forward + backward 1.30x), so D64 takes
@@ -43,12 +42,12 @@ CUTE_BIAS_FORWARD_HEAD_DIMS = {"per_key": (64, 128, 256), "dense": (128, 256),
 # D128 (H100, B2 H16 S4096: 1.31x the Triton backward at D64, 1.01x at D128, 1.67x at D128
 # causal); and a per-key bias at D64 and D128, whose dbias it sums over queries per key tile in
 # registers (cute/backward_bias.py; H100, B2 H16 S4096: 1.51x and 1.57x the Triton backward,
-# bench/results/cute-bias-key-NVIDIA-H100-80GB-HBM3-20261126.txt). Elsewhere the Triton backward
+# bench/results/cute-bias-20261126.txt, section 4). Elsewhere the Triton backward
 # leads, and reads the CuTe forward's out and lse.
 CUTE_BIAS_BACKWARD_HEAD_DIMS = {"dense": (256,), "dense_tma": (64, 128, 256), "per_key": (64, 128)}
 # ... also where dbias is shared by batches or heads (fp32 atomics): per key, one atomic per key
 # and CTA (a [1,H,1,S] bias at D128: 1.54x the Triton backward, H100,
-# cute-bias-key-NVIDIA-H100-80GB-HBM3-20261126.txt); a dense bias's per-score atomics trail.
+# cute-bias-20261126.txt, section 4); a dense bias's per-score atomics trail.
 CUTE_BIAS_BACKWARD_ATOMIC_KINDS = ("per_key",)
 BIAS_LAYOUTS = tuple(CUTE_BIAS_FORWARD_HEAD_DIMS)
 BIAS_LAYOUT_WORDS = {"per_key": "per key", "dense": "dense", "dense_tma": "dense TMA-loadable"}
