@@ -1,7 +1,9 @@
 """The gated delta rule's autograd Function: the order of the passes, forward and backward.
 
 Forward: prepare (gates, WY representation) -> states -> output; where T is kept and the GPU is
-full, the state pass forms the WY products from T itself. The backward keeps what FLA keeps
+full, the state pass forms the WY products from T itself. On SM90, where enough programs run,
+the states and the output are one fused kernel (gluon/forward_fused.py) that writes neither
+the per-chunk states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
 recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
 chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
@@ -60,19 +62,43 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     segments: (starts, transitions) of a sequence split of the state pass, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
+    fused_tile = plan.fused_forward_tile()
     g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
-                                                        store_wu=not split)
-    if split and not plan.states_from_inverse.value:
-        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
-    h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v, beta,
-                                                      ai, w, u, g_cum, gk_cum, initial_state, output_final_state)
-    del w, u, k_gated
-    o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
+                                                        store_wu=not split and fused_tile is None)
+    if fused_tile is not None:
+        o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
+                                            output_final_state, scale, fused_tile)
+    else:
+        if split and not plan.states_from_inverse.value:
+            w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
+        h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v,
+                                                          beta, ai, w, u, g_cum, gk_cum, initial_state,
+                                                          output_final_state)
+        del w, u, k_gated
+        o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
     # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
     # states), where the backward can reuse them.
     if not plan.keep_inverse:
         g_cum = ai = None
     return o, final, g_cum, ai, segments
+
+
+def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
+                   store_final: bool, scale, tile: int):
+    """The state pass and output in one SM90 kernel (gluon/forward_fused.py): -> (o, final or
+    None, segments or None). Where the plan cuts the sequences, the Triton state pass finds each
+    segment's start (segments.py) and the fused kernel runs over the segments from those."""
+    from .gluon.forward_fused import forward_fused
+
+    per_segment = plan.segment_chunks()
+    if per_segment is None:
+        o, final = forward_fused(layout, q, k, v, beta, ai, g_cum, initial_state, store_final, scale, tile)
+        return o, final, None
+    seg, starts, transition, final = BACKENDS[plan.backend].state_pass.segment_starts(
+        plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
+    o, _ = forward_fused(layout, q, k, v, beta, ai, g_cum, starts, False, scale, tile,
+                         cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots)
+    return o, final if store_final else None, (starts, transition)
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,

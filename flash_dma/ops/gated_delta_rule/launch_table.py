@@ -179,3 +179,30 @@ def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, ba
     if device.type != "cuda" or interpreter_active():
         return True
     return sequences_x_heads * K >= (64 if backward else 32) * 128
+
+
+# The forward's state pass and output fused in one Hopper kernel (gluon/forward_fused.py), from
+# bench/gdn_fused_forward.py (H100, K = V = 128): faster than the two Triton passes from 128
+# (V tile, chain) programs (B4 T4096 H16: 0.26 vs 0.32 ms; B8 T4096 H32: 0.57 vs 1.12), slower
+# at 32 (B1 T8192 H16: 0.48 vs 0.27), where the Triton passes' narrower V tiles spread a chain
+# over more SMs. Two warpgroups per program (128-wide V tiles) once those alone fill the SMs.
+FUSED_MIN_TILES_PER_SM = 0.75
+FUSED_WIDE_TILES_PER_SM = 1.0
+
+
+def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool,
+                       device: torch.device) -> int | None:
+    """The V tile of the fused forward (64 or 128), or None where the Triton passes run."""
+    if not fused_forward_fits(K, V, dtype, has_gk, device):
+        return None
+    sm = device_info(device).sm_count
+    if chains * (V // 64) < FUSED_MIN_TILES_PER_SM * sm:
+        return None
+    return 128 if V % 128 == 0 and chains * (V // 128) >= FUSED_WIDE_TILES_PER_SM * sm else 64
+
+
+def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
+    """Whether the fused forward computes such a call: an SM90 GPU (warpgroup MMA), scalar gate
+    or none, K 64 or 128, V a multiple of 64, 16-bit inputs."""
+    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
+            and not has_gk and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))

@@ -9,7 +9,10 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              memory) rather than reading those of the recompute kernel;
   gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only);
   gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
-                             run side by side and joined (segments.py); None: not cut.
+                             run side by side and joined (segments.py); None: not cut;
+  gdn_fused_forward          the forward's state pass and output as one SM90 kernel
+                             (gluon/forward_fused.py) with V tiles of 64 or 128; None: the
+                             Triton state pass and output kernels.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -43,6 +46,9 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
                "the backward's state pass forms v_new from T (default: launch_table's rule)")
 # Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
 # be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
+declare_choice("gdn_fused_forward", None, (0, 64, 128),
+               "the forward's state pass and output in one Hopper kernel with this V tile (0: the Triton "
+               "passes; default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -67,6 +73,14 @@ class DeltaRulePlan:
     # join_segments without `reverse`.
     forward_join: Callable | None = None
     backward_join: Callable | None = None
+    fused_forward: Chosen = Chosen(None, "table")  # V tile (64, 128) of the fused forward, or None
+
+    def fused_forward_tile(self) -> int | None:
+        """The fused forward's V tile, or None (the Triton passes); logged like a launch."""
+        tile = self.fused_forward.value
+        log_choice(OP, "fused_forward", "gluon" if tile else self.backend, self.info, self.shape,
+                   f"block_v={tile}" if tile else "off", self.fused_forward.source)
+        return tile
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -226,7 +240,24 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
-                         forward_from_t, backward_from_t, launches, segments, dhu_segments)
+                         forward_from_t, backward_from_t, launches, segments, dhu_segments,
+                         fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device))
+
+
+def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
+    """The fused forward's V tile: launch_table's rule, or the override (0: off); a forced tile
+    the call cannot take is an error, not a silent fallback."""
+    chosen = choice("gdn_fused_forward")
+    if chosen.value is None:
+        return Chosen(launch_table.fused_forward_tile(K, V, chains, dtype, has_gk, device), "rule")
+    if chosen.value == 0:
+        return Chosen(None, "override")
+    if V % chosen.value or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
+        raise ValueError(
+            f"gdn_fused_forward={chosen.value}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
+            f"multiple of {chosen.value} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, "
+            f"dtype {dtype}")
+    return chosen
 
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
@@ -281,7 +312,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment"):
+                 "dhu_chunks_per_segment", "fused_forward"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

@@ -85,6 +85,25 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
+def _runner(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v_new):
+    """A launcher of the state pass over some sequences (or segments); `ht` the end states' buffer."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    from_inverse = w is None
+    if not from_inverse:
+        ai = beta = None  # not read
+    cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
+
+    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, **flags):
+        launch(gdn_fwd_h_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
+               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht,
+               cu, offsets, T, H=H, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v,
+               HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
+               STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    return run
+
+
 def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool,
            known: tuple | None = None):
     """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
@@ -95,27 +114,15 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     every segment again from its true start (segments.py). `segments` = (starts, transition)
     of that cut, fp32 [slots, HV, K, V] and [slots, HV, K, K]: the backward passes them back as
     `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions."""
-    B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
-    from_inverse = w is None
-    if not from_inverse:
-        ai = beta = None  # not read
-    h = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=k.dtype)
+    h = torch.empty(layout.num_chunk_states, HV, k.shape[3], V, device=dev, dtype=k.dtype)
     v_new = torch.empty_like(v)
-    cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
+    run = _runner(plan, layout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v_new)
     per_segment = plan.segment_chunks()
-
-    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, **flags):
-        launch(gdn_fwd_h_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht,
-               cu, offsets, T, H=H, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v,
-               HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
-               STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
-
     if per_segment is None:
-        final = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if store_final else None
+        final = torch.empty(layout.num_seqs, HV, k.shape[3], V, device=dev, dtype=torch.float32) \
+            if store_final else None
         cu, offsets = seq_args(layout)
         run(layout.num_seqs, cu, offsets, layout.is_varlen, initial_state, final)
         return h, v_new, final, None
@@ -124,11 +131,28 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     if known is not None:  # the forward's cut, its starts known: the last step only
         run(*slots, known[0], None)
         return h, v_new, None, known
+    starts, transition, final = _join(plan, seg, run, HV, k.shape[3], V, initial_state)
+    run(*slots, starts, None)
+    return h, v_new, final if store_final else None, (starts, transition)
+
+
+def segment_starts(plan, layout: ChunkLayout, k, v, beta, ai, g_cum, initial_state, per_segment: int):
+    """The cut alone, for a last pass of another kernel (the fused forward): each segment's end
+    state and transition from T, joined. -> (segment layout, starts, transitions, final)."""
+    seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, k.device)
+    run = _runner(plan, layout, k, v, beta, ai, None, None, g_cum, None, None, None)
+    starts, transition, final = _join(plan, seg, run, v.shape[2], k.shape[3], v.shape[3], initial_state)
+    return seg, starts, transition, final
+
+
+def _join(plan, seg, run, HV: int, K: int, V: int, initial_state):
+    """Each segment's end state from zero (states not stored) and its transition (from the
+    identity), joined (plan.join): -> (starts, transitions, final)."""
+    slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
+    dev = seg.cu_seqlens.device
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
     run(*slots, None, local, STORE_STATES=False)
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True)
     starts, final = plan.join(transition, local, seg, initial_state)
-    del local
-    run(*slots, starts, None)
-    return h, v_new, final if store_final else None, (starts, transition)
+    return starts, transition, final

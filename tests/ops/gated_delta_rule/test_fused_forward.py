@@ -1,0 +1,111 @@
+"""The fused SM90 forward (gluon/forward_fused.py: state pass and output in one kernel): output,
+final state and every gradient against the fp64 reference, with both V tiles, whole and cut
+into segments (of one chunk; a last segment shorter than a chunk), fixed lengths and varlen
+with empty and single-token sequences, GQA, K != V, no gate; and the rule that picks it."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+from flash_dma.ops.gated_delta_rule import launch_table
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
+from flash_dma.runtime.config import overrides
+
+from .cases import check_against_reference, cu_from_lengths, make_inputs
+
+ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
+    "g-h0-K128": (2, 1000, 2, 2, 128, 128, "g", True, torch.bfloat16, None),
+    "one-chunk": (1, 64, 1, 1, 128, 128, "g", False, torch.bfloat16, None),
+    "65-tokens-fp16": (1, 65, 1, 1, 128, 128, "g", True, torch.float16, None),
+    "no-gate-gqa-K64": (3, 333, 1, 2, 64, 128, "none", False, torch.bfloat16, None),
+    "K64-V64": (2, 200, 2, 2, 64, 64, "g", True, torch.bfloat16, None),
+    "varlen-empty-single": (1, 1000, 1, 2, 128, 128, "g", True, torch.bfloat16, [1, 299, 0, 700]),
+    "varlen-V256-gqa": (1, 777, 1, 2, 128, 256, "g", False, torch.bfloat16, [128, 1, 648]),
+}
+
+
+def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Leave a freed NaN block of the output's size in the caching allocator, which the op's
+    next allocation of that size reuses: rows the kernel fails to write then read as NaN."""
+    block = torch.full((numel,), float("nan"), device=DEVICE, dtype=dtype)
+    del block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_fused_forward(name, tile, split):
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if V % tile:
+        pytest.skip(f"V {V} is not a multiple of the tile {tile}")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    chosen = {"gdn_fused_forward": tile}
+    if split is not None:
+        chosen["gdn_chunks_per_segment"] = split
+    with overrides(**chosen):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
+        assert plan.fused_forward.value == tile and plan.segment_chunks() == split
+        _poison_allocator(B * T * HV * V, dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+def test_fused_forward_rule():
+    """Picked only on an SM90 GPU for what the kernel computes, where enough programs run; a
+    forced tile the call cannot take is an error naming the choice."""
+    cpu = torch.device("cpu")
+    assert launch_table.fused_forward_tile(128, 128, 1024, torch.bfloat16, False, cpu) is None
+    assert not launch_table.fused_forward_fits(128, 128, torch.bfloat16, False, cpu)
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        with overrides(gdn_fused_forward=64), pytest.raises(ValueError, match="gdn_fused_forward=64"):
+            plan_call(q, q, True, False, layout)
+    with overrides(gdn_fused_forward=0):
+        assert plan_call(q, q, True, False, layout).fused_forward.value is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
+def test_gpu_fused_forward_rule_by_programs():
+    """Few (chain, V tile) programs: the Triton passes; many: the fused kernel, two warpgroups
+    per program once those alone fill the SMs; never with gk, fp32 or K = 256."""
+    dev = torch.device(DEVICE)
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    tile = launch_table.fused_forward_tile
+    assert tile(128, 128, 4, torch.bfloat16, False, dev) is None
+    assert tile(128, 128, sm // 2 + 1, torch.bfloat16, False, dev) == 64
+    assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128
+    assert tile(128, 128, 2 * sm, torch.bfloat16, True, dev) is None
+    assert tile(128, 128, 2 * sm, torch.float32, False, dev) is None
+    assert tile(256, 128, 2 * sm, torch.bfloat16, False, dev) is None
+
+
+@pytest.mark.parametrize("K, block_v, has_g, varlen", [(128, 64, True, False), (128, 128, True, True),
+                                                      (64, 64, False, True)])
+def test_fused_forward_compiles_for_sm90(K, block_v, has_g, varlen):
+    """The Gluon kernel compiles for sm_90a without a GPU (Triton's compiler and bundled ptxas):
+    CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_dma.ops.gated_delta_rule.gluon.forward_fused import gdn_fwd_fused_kernel
+
+    pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "ai": "*bf16", "g_cum": "*fp32",
+                "h0": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32"}
+    constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "BV": block_v, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
+                 "STORE_HT": True, "IS_VARLEN": varlen}
+    signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
+    names = list(signature)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
+    source = GluonASTSource(gdn_fwd_fused_kernel, signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_v // 16})
+    assert compiled.asm["cubin"], "no cubin"
+    assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"
