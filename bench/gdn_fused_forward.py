@@ -16,6 +16,7 @@ import triton  # noqa: E402
 
 from flash_dma.ops.gated_delta_rule import autograd as gdn  # noqa: E402
 from flash_dma.ops.gated_delta_rule.gluon.forward_fused import forward_fused  # noqa: E402
+from flash_dma.ops.gated_delta_rule.gluon.forward_ws import forward_ws  # noqa: E402
 from flash_dma.ops.gated_delta_rule.layout import chunk_layout  # noqa: E402
 from flash_dma.ops.gated_delta_rule.plan import plan_call  # noqa: E402
 from flash_dma.ops.gated_delta_rule.reference import gated_delta_rule_reference  # noqa: E402
@@ -47,7 +48,10 @@ def prepared(x):
 
 
 def fused(x, bv, stages, prep=None):
+    """bv 0: the warp-specialised kernel (64-wide V tiles)."""
     layout, plan, scale, g_cum, ai = prep or prepared(x)
+    if bv == 0:
+        return forward_ws(layout, x["q"], x["k"], x["v"], x["beta"], ai, g_cum, x["h0"], True, scale, stages)
     return forward_fused(layout, x["q"], x["k"], x["v"], x["beta"], ai, g_cum, x["h0"], True, scale, bv, stages)
 
 
@@ -88,7 +92,7 @@ def checks(variants, lines):
         o_tri, ht_tri = triton_forward(x)
         base = f"tri: o {rel(o_tri, o_ref):.2e} ht {rel(ht_tri, ht_ref):.2e}"
         for bv, st in variants:
-            if V % bv:
+            if V % max(bv, 64):
                 continue
             o, ht = fused(x, bv, st)
             torch.cuda.synchronize()
@@ -128,17 +132,22 @@ def bench(variants, lines):
     lines += ["| " + " | ".join(r) + " |" for r in rows]
 
 
+OFF = {"gdn_fused_forward": 0}
+
+
+def _form(form, cut=None):
+    return {"gdn_fused_forward": form, **({"gdn_chunks_per_segment": cut} if cut else {})}
+
+
 PLAN_CASES = [  # label, B, T, H, {name: overrides}
-    ("B2 T4096 H16", 2, 4096, 16, {"triton": {"gdn_fused_forward": 0}, "fused 64": {"gdn_fused_forward": 64}}),
-    ("B4 T4096 H16", 4, 4096, 16, {"triton": {"gdn_fused_forward": 0}, "rule": {}}),
-    ("B8 T4096 H32", 8, 4096, 32, {"triton": {"gdn_fused_forward": 0}, "rule": {}}),
-    ("B1 T8192 H16", 1, 8192, 16, {"triton": {"gdn_fused_forward": 0},
-                                   **{f"fused 64, cut {n}": {"gdn_fused_forward": 64, "gdn_chunks_per_segment": n}
-                                      for n in (16, 32)}}),
-    ("B1 T32768 H16", 1, 32768, 16, {"triton (cut 64)": {"gdn_fused_forward": 0},
-                                     **{f"fused 64, cut {n}": {"gdn_fused_forward": 64, "gdn_chunks_per_segment": n}
-                                        for n in (16, 32, 64)},
-                                     "fused 128, cut 32": {"gdn_fused_forward": 128, "gdn_chunks_per_segment": 32}}),
+    ("B2 T4096 H16", 2, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64)}),
+    ("B4 T4096 H16", 4, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64)}),
+    ("B8 T4096 H32", 8, 4096, 32, {"triton": OFF, "rule": {}, "ws": _form("ws")}),
+    ("B1 T8192 H16", 1, 8192, 16, {"triton": OFF, "rule": {}, "ws": _form("ws"), "ws, cut 16": _form("ws", 16),
+                                   "ws, cut 32": _form("ws", 32)}),
+    ("B1 T32768 H16", 1, 32768, 16, {"triton (cut 64)": OFF, "rule": {}, "ws, cut 32": _form("ws", 32),
+                                     "ws, cut 64": _form("ws", 64), "ws, cut 128": _form("ws", 128),
+                                     "one-role 64, cut 64": _form(64, 64)}),
 ]
 
 
@@ -174,6 +183,7 @@ def plans(lines):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--no-plans", action="store_true")
     ap.add_argument("--variants", default="64x2,128x2")  # V tile x stages
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
@@ -184,7 +194,8 @@ def main():
     lines.append(f"worst relative error vs fp64: {worst:.2e}")
     if not args.check_only:
         bench(variants, lines)
-        plans(lines)
+        if not args.no_plans:
+            plans(lines)
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "gdn_fused_forward.txt"), "w") as f:

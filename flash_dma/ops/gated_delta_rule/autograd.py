@@ -2,8 +2,8 @@
 
 Forward: prepare (gates, WY representation) -> states -> output; where T is kept and the GPU is
 full, the state pass forms the WY products from T itself. On SM90, where enough programs run,
-the states and the output are one fused kernel (gluon/forward_fused.py) that writes neither
-the per-chunk states nor v_new. The backward keeps what FLA keeps
+the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
+states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
 recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
 chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
@@ -62,12 +62,12 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     segments: (starts, transitions) of a sequence split of the state pass, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
-    fused_tile = plan.fused_forward_tile()
+    fused = plan.fused_forward_form()
     g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
-                                                        store_wu=not split and fused_tile is None)
-    if fused_tile is not None:
+                                                        store_wu=not split and fused is None)
+    if fused is not None:
         o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
-                                            output_final_state, scale, fused_tile)
+                                            output_final_state, scale, fused)
     else:
         if split and not plan.states_from_inverse.value:
             w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
@@ -84,20 +84,26 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
-                   store_final: bool, scale, tile: int):
-    """The state pass and output in one SM90 kernel (gluon/forward_fused.py): -> (o, final or
-    None, segments or None). Where the plan cuts the sequences, the Triton state pass finds each
-    segment's start (segments.py) and the fused kernel runs over the segments from those."""
+                   store_final: bool, scale, form):
+    """The state pass and output in one SM90 kernel (gluon/; form "ws": warp roles, else the
+    one-role kernel's V tile): -> (o, final or None, segments or None). Where the plan cuts the
+    sequences, the Triton state pass finds each segment's start (segments.py) and the fused
+    kernel runs over the segments from those."""
     from .gluon.forward_fused import forward_fused
+    from .gluon.forward_ws import forward_ws
+
+    def run(h0, final_wanted, **over):
+        if form == "ws":
+            return forward_ws(layout, q, k, v, beta, ai, g_cum, h0, final_wanted, scale, **over)
+        return forward_fused(layout, q, k, v, beta, ai, g_cum, h0, final_wanted, scale, form, **over)
 
     per_segment = plan.segment_chunks()
     if per_segment is None:
-        o, final = forward_fused(layout, q, k, v, beta, ai, g_cum, initial_state, store_final, scale, tile)
+        o, final = run(initial_state, store_final)
         return o, final, None
     seg, starts, transition, final = BACKENDS[plan.backend].state_pass.segment_starts(
         plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
-    o, _ = forward_fused(layout, q, k, v, beta, ai, g_cum, starts, False, scale, tile,
-                         cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots)
+    o, _ = run(starts, False, cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots)
     return o, final if store_final else None, (starts, transition)
 
 

@@ -181,24 +181,31 @@ def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, ba
     return sequences_x_heads * K >= (64 if backward else 32) * 128
 
 
-# The forward's state pass and output fused in one Hopper kernel (gluon/forward_fused.py), from
-# bench/gdn_fused_forward.py (H100, K = V = 128): faster than the two Triton passes from 128
-# (V tile, chain) programs (B4 T4096 H16: 0.26 vs 0.32 ms; B8 T4096 H32: 0.57 vs 1.12), slower
-# at 32 (B1 T8192 H16: 0.48 vs 0.27), where the Triton passes' narrower V tiles spread a chain
-# over more SMs. Two warpgroups per program (128-wide V tiles) once those alone fill the SMs.
-FUSED_MIN_TILES_PER_SM = 0.75
-FUSED_WIDE_TILES_PER_SM = 1.0
+# The forward's state pass and output fused in one Hopper kernel (gluon/), from
+# bench/gdn_fused_forward.py (H100, K = V = 128). Two forms: warp roles (forward_ws.py: a chain
+# warpgroup, an output warpgroup and a load warpgroup per 64-wide V tile, one program per SM)
+# where the (chain, V tile) programs fit in about one wave (B4 T4096 H16, 128 programs: 0.15 ms
+# against 0.22 for the Triton passes), and one warpgroup per role-less 64- or 128-wide tile
+# (forward_fused.py, two programs per SM) beyond (B8 T4096 H32: 0.54 ms, warp roles 0.59,
+# Triton 1.12). Below half a wave of programs the Triton passes' narrower V tiles spread each
+# chain over more SMs (B1 T8192 H16, 32 programs: 0.22 ms, warp roles 0.25).
+FUSED_MIN_TILES_PER_SM = 0.5
+WARP_ROLES_MAX_TILES_PER_SM = 1.0
 
 
 def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool,
-                       device: torch.device) -> int | None:
-    """The V tile of the fused forward (64 or 128), or None where the Triton passes run."""
+                       device: torch.device):
+    """The fused forward's form: "ws" (warp roles, 64-wide V tiles), 64 or 128 (the V tile of
+    the one-role kernel), or None where the Triton passes run."""
     if not fused_forward_fits(K, V, dtype, has_gk, device):
         return None
     sm = device_info(device).sm_count
-    if chains * (V // 64) < FUSED_MIN_TILES_PER_SM * sm:
+    tiles = chains * (V // 64)
+    if tiles < FUSED_MIN_TILES_PER_SM * sm:
         return None
-    return 128 if V % 128 == 0 and chains * (V // 128) >= FUSED_WIDE_TILES_PER_SM * sm else 64
+    if tiles <= WARP_ROLES_MAX_TILES_PER_SM * sm:
+        return "ws"
+    return 128 if V % 128 == 0 else 64
 
 
 def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:

@@ -10,9 +10,10 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only);
   gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
                              run side by side and joined (segments.py); None: not cut;
-  gdn_fused_forward          the forward's state pass and output as one SM90 kernel
-                             (gluon/forward_fused.py) with V tiles of 64 or 128; None: the
-                             Triton state pass and output kernels.
+  gdn_fused_forward          the forward's state pass and output as one SM90 kernel: "ws" with
+                             warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
+                             one-role kernel (gluon/forward_fused.py); None: the Triton state
+                             pass and output kernels.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -46,9 +47,9 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
                "the backward's state pass forms v_new from T (default: launch_table's rule)")
 # Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
 # be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
-declare_choice("gdn_fused_forward", None, (0, 64, 128),
-               "the forward's state pass and output in one Hopper kernel with this V tile (0: the Triton "
-               "passes; default: launch_table's rule)")
+declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
+               "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
+               "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -73,14 +74,16 @@ class DeltaRulePlan:
     # join_segments without `reverse`.
     forward_join: Callable | None = None
     backward_join: Callable | None = None
-    fused_forward: Chosen = Chosen(None, "table")  # V tile (64, 128) of the fused forward, or None
+    fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
 
-    def fused_forward_tile(self) -> int | None:
-        """The fused forward's V tile, or None (the Triton passes); logged like a launch."""
-        tile = self.fused_forward.value
-        log_choice(OP, "fused_forward", "gluon" if tile else self.backend, self.info, self.shape,
-                   f"block_v={tile}" if tile else "off", self.fused_forward.source)
-        return tile
+    def fused_forward_form(self) -> int | str | None:
+        """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
+        or None (the Triton passes); logged like a launch."""
+        form = self.fused_forward.value
+        name = "off" if not form else ("warp_roles block_v=64" if form == "ws" else f"one_role block_v={form}")
+        log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
+                   self.fused_forward.source)
+        return form
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -245,18 +248,18 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
-    """The fused forward's V tile: launch_table's rule, or the override (0: off); a forced tile
+    """The fused forward's form: launch_table's rule, or the override (0: off); a forced form
     the call cannot take is an error, not a silent fallback."""
     chosen = choice("gdn_fused_forward")
     if chosen.value is None:
         return Chosen(launch_table.fused_forward_tile(K, V, chains, dtype, has_gk, device), "rule")
     if chosen.value == 0:
         return Chosen(None, "override")
-    if V % chosen.value or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
+    tile = 64 if chosen.value == "ws" else chosen.value
+    if V % tile or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
         raise ValueError(
-            f"gdn_fused_forward={chosen.value}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
-            f"multiple of {chosen.value} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, "
-            f"dtype {dtype}")
+            f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
+            f"multiple of {tile} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
     return chosen
 
 

@@ -1,5 +1,5 @@
-"""The fused SM90 forward (gluon/forward_fused.py: state pass and output in one kernel): output,
-final state and every gradient against the fp64 reference, with both V tiles, whole and cut
+"""The fused SM90 forward (gluon/: state pass and output in one kernel, with warp roles or in one
+role): output, final state and every gradient against the fp64 reference, every form, whole and cut
 into segments (of one chunk; a last segment shorter than a chunk), fixed lengths and varlen
 with empty and single-token sequences, GQA, K != V, no gate; and the rule that picks it."""
 import pytest
@@ -36,22 +36,22 @@ def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
 @pytest.mark.parametrize("split", [None, 1, 3])
-@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("form", ["ws", 64, 128])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpu_fused_forward(name, tile, split):
+def test_gpu_fused_forward(name, form, split):
     B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    if V % tile:
-        pytest.skip(f"V {V} is not a multiple of the tile {tile}")
+    if V % (64 if form == "ws" else form):
+        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
     torch.manual_seed(0)
     inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
     kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
-    chosen = {"gdn_fused_forward": tile}
+    chosen = {"gdn_fused_forward": form}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
     with overrides(**chosen):
         layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
         plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.fused_forward.value == tile and plan.segment_chunks() == split
+        assert plan.fused_forward.value == form and plan.segment_chunks() == split
         _poison_allocator(B * T * HV * V, dtype)
         check_against_reference(inputs, dtype, **kwargs)
 
@@ -74,38 +74,46 @@ def test_fused_forward_rule():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
 def test_gpu_fused_forward_rule_by_programs():
-    """Few (chain, V tile) programs: the Triton passes; many: the fused kernel, two warpgroups
-    per program once those alone fill the SMs; never with gk, fp32 or K = 256."""
+    """Few (chain, V tile) programs: the Triton passes; about a wave: warp roles; more: the
+    one-role kernel with 128-wide tiles; never with gk, fp32 or K = 256."""
     dev = torch.device(DEVICE)
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
     tile = launch_table.fused_forward_tile
     assert tile(128, 128, 4, torch.bfloat16, False, dev) is None
-    assert tile(128, 128, sm // 2 + 1, torch.bfloat16, False, dev) == 64
+    assert tile(128, 128, sm // 2, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128
+    assert tile(128, 192, 2 * sm, torch.bfloat16, False, dev) == 64
     assert tile(128, 128, 2 * sm, torch.bfloat16, True, dev) is None
     assert tile(128, 128, 2 * sm, torch.float32, False, dev) is None
     assert tile(256, 128, 2 * sm, torch.bfloat16, False, dev) is None
 
 
-@pytest.mark.parametrize("K, block_v, has_g, varlen", [(128, 64, True, False), (128, 128, True, True),
-                                                      (64, 64, False, True)])
-def test_fused_forward_compiles_for_sm90(K, block_v, has_g, varlen):
-    """The Gluon kernel compiles for sm_90a without a GPU (Triton's compiler and bundled ptxas):
+@pytest.mark.parametrize("form, K, has_g, varlen", [(64, 128, True, False), (128, 128, True, True),
+                                                   (64, 64, False, True), ("ws", 128, True, False),
+                                                   ("ws", 64, False, True)])
+def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
+    """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flash_dma.ops.gated_delta_rule.gluon.forward_fused import gdn_fwd_fused_kernel
+    from flash_dma.ops.gated_delta_rule.gluon.forward_ws import gdn_fwd_ws_kernel
 
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "ai": "*bf16", "g_cum": "*fp32",
                 "h0": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32"}
-    constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "BV": block_v, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
+    constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
                  "STORE_HT": True, "IS_VARLEN": varlen}
+    if form == "ws":
+        kernel, options = gdn_fwd_ws_kernel, {"num_warps": 4, "maxnreg": 160}
+    else:
+        kernel, options = gdn_fwd_fused_kernel, {"num_warps": form // 16}
+        constants = {**constants, "BV": form}
     signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
     names = list(signature)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
-    source = GluonASTSource(gdn_fwd_fused_kernel, signature, constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_v // 16})
+    source = GluonASTSource(kernel, signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], "no cubin"
     assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"

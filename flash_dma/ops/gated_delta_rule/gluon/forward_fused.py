@@ -30,6 +30,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 
 CHUNK = gl.constexpr(64)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -64,19 +65,26 @@ def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai,
 
 @gluon.jit
 def _chunk_rows(g_cum, beta, c, num_chunks, bos, seq_len, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr):
-    """Chunk c's gate cumsums B, its beta (zero past the sequence) at positions idx, and B at
-    its last valid row."""
+    """Chunk c's gate cumsums B in log2 units (B log2(e)), its beta (zero past the sequence) at
+    positions idx, and B log2(e) at its last valid row."""
     n_valid = gl.maximum(gl.minimum(seq_len - c * CHUNK, CHUNK), 0)
     tok0 = bos + gl.minimum(c, gl.maximum(num_chunks - 1, 0)).to(gl.int64) * CHUNK
     valid = idx < n_valid
     b_beta = gl.load(beta + (tok0 + idx) * HV + hv, mask=valid, other=0.0).to(gl.float32)
     if HAS_G:
-        b = gl.load(g_cum + (tok0 + idx) * HV + hv, mask=valid, other=0.0)
-        last = gl.load(g_cum + (tok0 + gl.maximum(n_valid - 1, 0)) * HV + hv, mask=n_valid > 0, other=0.0)
+        b = gl.load(g_cum + (tok0 + idx) * HV + hv, mask=valid, other=0.0) * LOG2E
+        last = gl.load(g_cum + (tok0 + gl.maximum(n_valid - 1, 0)) * HV + hv, mask=n_valid > 0, other=0.0) * LOG2E
     else:
         b = gl.zeros_like(b_beta)
         last = 0.0
     return b, b_beta, last
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x on the MUFU unit alone (denormal results flushed to zero)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
@@ -142,6 +150,7 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, sca
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))  # the chunk's tokens, as columns
     p_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, pair_acc))  # j
     p_cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, pair_acc))  # i
+    log2_scale = gl.log2(scale)
     ov = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, out_layout))
     oc = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, out_layout))
 
@@ -168,25 +177,26 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, sca
                            use_acc=False, is_async=True)
         qh = warpgroup_mma(h_a, q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
                            use_acc=False, is_async=True)
+        eb = _exp2(b)
         v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
         kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
-        x = (v_t.to(gl.float32) - kh * gl.exp(b)[None, :]) * b_beta[None, :]
+        x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
         vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
                            gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
         qh = warpgroup_mma_wait(num_outstanding=1, deps=(qh, ))
         pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
                            use_acc=False, is_async=True)
-        out = qh * (gl.exp(b) * scale)[None, :]
+        out = qh * (eb * scale)[None, :]
         vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
-        decay = gl.where(cols < n_valid, gl.exp(b_last - b), 0.0)
+        decay = gl.where(cols < n_valid, _exp2(b_last - b), 0.0)
         state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile,
-                              state * gl.exp(b_last), is_async=True)
+                              state * gl.exp2(b_last), is_async=True)
         # P^T off the chain, while the state product runs
         pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
         b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
-        b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc))
-        gamma = gl.where(p_rows[:, None] <= p_cols[None, :], gl.exp(b_i[None, :] - b_j[:, None]), 0.0)
-        p_stage.store((pt * gamma * scale).to(dt))
+        b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
+        p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :], pt * _exp2(b_i[None, :] - b_j[:, None]),
+                               0.0).to(dt))
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of P^T is in shared memory
         out = warpgroup_mma(gl.convert_layout(vn.to(dt), a_for_chunk), p_stage, out, is_async=True)

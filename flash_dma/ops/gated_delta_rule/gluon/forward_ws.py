@@ -1,0 +1,286 @@
+"""The fused forward (forward_fused.py's math) with warp roles: the chain warpgroup runs only
+the dependent products of each chunk (k h^T, T x^T, the state update) and hands h^T and v_new^T
+through shared memory to an output warpgroup, which computes P^T, q h^T and o beside it, while a
+load warpgroup fills a ring of q, k, v and T tiles. Per CTA: one (V tile of 64, sequence x value
+head). Scalar gate or none; K 64 or 128; 16-bit inputs.
+
+Barriers (mbarriers, one arrive each unless said):
+    ready[s]   loads of ring slot s landed (cp.async arrivals of the load warpgroup)
+    free[s]    slot s read by the chain and the output warpgroups (two arrivals)
+    h_ready[i] / h_free[i]    h^T of chunk c in buffer i = c % 2, written / read
+    v_ready[i] / v_free[i]    v_new^T of chunk c in buffer i, written / read
+"""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ....runtime.config import ceil_div
+from ....runtime.launch import launch
+
+CHUNK = gl.constexpr(64)
+LOG2E = gl.constexpr(1.4426950408889634)
+BV = gl.constexpr(64)
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x on the MUFU unit alone (denormal results flushed to zero)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _sequence(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """(sequence x value head, value head, first token, length, chunks) of this program."""
+    seq_hv = gl.program_id(1)
+    seq = seq_hv // HV
+    if IS_VARLEN:
+        bos = gl.load(cu_seqlens + seq).to(gl.int64)
+        seq_len = gl.load(cu_seqlens + seq + 1).to(gl.int64) - bos
+    else:
+        bos = seq.to(gl.int64) * T
+        seq_len = T.to(gl.int64)
+    return seq_hv, seq_hv % HV, bos, seq_len, gl.cdiv(seq_len, CHUNK).to(gl.int32)
+
+
+@gluon.jit
+def _rows(g_cum, beta, c, bos, seq_len, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr, WITH_BETA: gl.constexpr):
+    """Chunk c's gate cumsums in log2 units at positions idx (zero past the sequence), and its
+    beta (or zeros without WITH_BETA)."""
+    n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
+    tok = bos + c * CHUNK + idx
+    valid = idx < n_valid
+    if WITH_BETA:
+        b_beta = gl.load(beta + tok * HV + hv, mask=valid, other=0.0).to(gl.float32)
+    else:
+        b_beta = gl.zeros_like(idx).to(gl.float32)
+    if HAS_G:
+        b = gl.load(g_cum + tok * HV + hv, mask=valid, other=0.0) * LOG2E
+    else:
+        b = gl.zeros_like(idx).to(gl.float32)
+    return b, b_beta
+
+
+@gluon.jit
+def _last_gate(g_cum, c, num_chunks, bos, seq_len, hv, HV: gl.constexpr, HAS_G: gl.constexpr):
+    """The gate cumsum at chunk c's last row, log2 units (0 past the last chunk or without g)."""
+    if HAS_G:
+        last = gl.minimum(seq_len - c * CHUNK, CHUNK) - 1
+        tok = bos + c * CHUNK + gl.maximum(last, 0)
+        return gl.load(g_cum + tok * HV + hv, mask=c < num_chunks, other=0.0) * LOG2E
+    else:
+        return 0.0
+
+
+@gluon.jit
+def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
+           k_ring, v_ring, t_ring, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
+           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
+           HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The state's warpgroup: per chunk kh^T = h^T k^T, x^T = (v^T - kh^T e^B) beta,
+    vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k; hands h^T and vn^T on."""
+    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    dt: gl.constexpr = k_ring.dtype
+    state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, K, 16])
+    chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, CHUNK, 16])
+    a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
+    a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
+    sv = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, state_acc))
+    sk = gl.arange(0, K, layout=gl.SliceLayout(0, state_acc))
+    if HAS_H0:
+        state = gl.load(h0 + seq_hv.to(gl.int64) * K * V + sk[None, :] * V + sv[:, None])
+    else:
+        state = gl.zeros([BV, K], gl.float32, state_acc)
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
+    # the next chunk's gate rows and beta are loaded a chunk ahead (a load at use would sit on the chain)
+    b2, b_beta = _rows(g_cum, beta, 0, bos, seq_len, hv, HV, cols, HAS_G, True)
+    b2_last = _last_gate(g_cum, 0, num_chunks, bos, seq_len, hv, HV, HAS_G)
+    for c in range(0, num_chunks):
+        slot = c % STAGES
+        buf = c % 2
+        phase = (c // 2) & 1
+        b2_next, beta_next = _rows(g_cum, beta, c + 1, bos, seq_len, hv, HV, cols, HAS_G, True)
+        b2_last_next = _last_gate(g_cum, c + 1, num_chunks, bos, seq_len, hv, HV, HAS_G)
+        h_low = state.to(dt)
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        k_tile = k_ring.index(slot)
+        kh = warpgroup_mma(gl.convert_layout(h_low, a_for_chunk), k_tile.permute((1, 0)),
+                           gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        # h^T for the output warpgroup, while k h^T runs
+        mbarrier.wait(h_free.index(buf), phase ^ 1)
+        h_buf.index(buf).store(h_low)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(h_ready.index(buf))
+        valid = cols < gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
+        v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
+        kh = warpgroup_mma_wait(num_outstanding=0, deps=(kh, ))
+        x = v_t.to(gl.float32) * b_beta[None, :] - kh * (_exp2(b2) * b_beta)[None, :]
+        vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
+                           gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn, ))
+        vn = gl.where(valid[None, :], vn, 0.0)
+        # vn^T for the output warpgroup, before the state product is issued (stored beside it,
+        # ptxas 12.8 and 12.9 crashed at -O3)
+        mbarrier.wait(v_free.index(buf), phase ^ 1)
+        v_buf.index(buf).store(vn.to(dt))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(v_ready.index(buf))
+        state = warpgroup_mma(gl.convert_layout((vn * _exp2(b2_last - b2)[None, :]).to(dt), a_for_state),
+                              k_tile, state * gl.exp2(b2_last), is_async=True)
+        state = warpgroup_mma_wait(num_outstanding=0, deps=(state, ))
+        gl.thread_barrier()  # every warp's reads of the slot (v^T, and k, T by the products) are done
+        mbarrier.arrive(free.index(slot))
+        b2, b_beta, b2_last = b2_next, beta_next, b2_last_next
+    if STORE_HT:
+        gl.store(ht + seq_hv.to(gl.int64) * K * V + sk[None, :] * V + sv[:, None], state)
+
+
+@gluon.jit
+def _output(o, g_cum, beta, cu_seqlens, T, scale, v_start,
+            q_ring, k_ring, p_stage, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
+            HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
+    """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, then
+    o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
+    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    dt: gl.constexpr = q_ring.dtype
+    chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, CHUNK, 16])
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BV // 8, 32 // (BV // 8)], [1, 4], [0, 1])
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
+    p_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_acc))
+    ov = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, out_layout))
+    oc = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, out_layout))
+    log2_scale = gl.log2(scale)
+    b2, _ = _rows(g_cum, beta, 0, bos, seq_len, hv, HV, cols, HAS_G, False)
+    for c in range(0, num_chunks):
+        slot = c % STAGES
+        buf = c % 2
+        phase = (c // 2) & 1
+        b2_next, _ = _rows(g_cum, beta, c + 1, bos, seq_len, hv, HV, cols, HAS_G, False)
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        q_tile = q_ring.index(slot)
+        pt = warpgroup_mma(k_ring.index(slot), q_tile.permute((1, 0)),
+                           gl.zeros([CHUNK, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        mbarrier.wait(h_ready.index(buf), phase)
+        qh = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
+                           use_acc=False, is_async=True)
+        pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+        b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
+        p_stage.store(gl.where(p_rows[:, None] <= cols[None, :],
+                               pt * _exp2(b2[None, :] + log2_scale - b_j[:, None]), 0.0).to(dt))
+        fence_async_shared()
+        qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh, ))
+        gl.thread_barrier()  # P^T whole in shared memory; q, k and h^T read
+        mbarrier.arrive(h_free.index(buf))
+        mbarrier.arrive(free.index(slot))
+        out = qh * (_exp2(b2) * scale)[None, :]
+        mbarrier.wait(v_ready.index(buf), phase)
+        out = warpgroup_mma(v_buf.index(buf), p_stage, out, is_async=True)
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
+        gl.thread_barrier()
+        mbarrier.arrive(v_free.index(buf))
+        tok0 = bos + c.to(gl.int64) * CHUNK
+        n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
+        o_t = gl.convert_layout(out.to(o.dtype.element_ty), out_layout)
+        o_offs = ((tok0 + oc) * HV + hv)[None, :] * V + ov[:, None]
+        gl.store(o + o_offs, o_t, mask=(oc < n_valid)[None, :] & (ov < V)[:, None])
+        b2 = b2_next
+
+
+@gluon.jit
+def _loader(q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, ready, free,
+            HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
+    """The load warpgroup: cp.async of each chunk's q, k (per q/k head), v and T (per value
+    head) into the ring, rows past the sequence zero-filled; each thread's copies arrive on the
+    slot's ready barrier as they land."""
+    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    head = hv // (HV // HQ)
+    key_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [4, 1], [1, 0])
+    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [4, 1], [1, 0])
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, key_load))
+    kcols = gl.arange(0, K, layout=gl.SliceLayout(0, key_load))
+    vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
+    vcols = gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
+    for c in range(0, num_chunks):
+        slot = c % STAGES
+        mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
+        n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
+        tok0 = bos + c.to(gl.int64) * CHUNK
+        key_mask = (rows < n_valid)[:, None] & (kcols < K)[None, :]
+        key_offs = ((tok0 + rows)[:, None] * HQ + head) * K + kcols[None, :]
+        async_copy.async_copy_global_to_shared(q_ring.index(slot), q + key_offs, key_mask)
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), k + key_offs, key_mask)
+        value_mask = (vrows < n_valid)[:, None] & (vcols < BV)[None, :]
+        async_copy.async_copy_global_to_shared(
+            v_ring.index(slot), v + ((tok0 + vrows)[:, None] * HV + hv) * V + v_start + vcols[None, :], value_mask)
+        async_copy.async_copy_global_to_shared(
+            t_ring.index(slot), ai + ((tok0 + vrows)[:, None] * HV + hv) * CHUNK + vcols[None, :], value_mask)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit(do_not_specialize=["T"])
+def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+                      HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                      STAGES: gl.constexpr, HAS_G: gl.constexpr, HAS_H0: gl.constexpr,
+                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """One program per (V tile of 64, sequence x value head); 4 warps here (the chain), plus the
+    output and load warpgroups."""
+    dt: gl.constexpr = q.dtype.element_ty
+    v_start = gl.program_id(0) * BV
+    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
+    value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
+    state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
+    q_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem)
+    k_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem)
+    v_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, BV], value_smem)
+    t_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, CHUNK], value_smem)
+    h_buf = gl.allocate_shared_memory(dt, [2, BV, K], state_smem)
+    v_buf = gl.allocate_shared_memory(dt, [2, BV, CHUNK], value_smem)
+    p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], value_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    h_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per load thread
+        mbarrier.init(free.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(h_ready.index(i), count=1)
+        mbarrier.init(h_free.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_free.index(i), count=1)
+    gl.warp_specialize([
+        (_chain, (h0, ht, g_cum, beta, cu_seqlens, T, v_start, k_ring, v_ring, t_ring, h_buf, v_buf, ready, free,
+                  h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT, IS_VARLEN)),
+        (_output, (o, g_cum, beta, cu_seqlens, T, scale, v_start, q_ring, k_ring, p_stage, h_buf, v_buf, ready, free,
+                   h_ready, h_free, v_ready, v_free, HV, V, STAGES, HAS_G, IS_VARLEN)),
+        (_loader, (q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, ready, free,
+                   HQ, HV, K, V, STAGES, IS_VARLEN)),
+    ], [4, 4], [160, 64])
+
+
+def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, stages: int = 2,
+               cu_seqlens=None, num_seqs=None):
+    """As forward_fused.forward_fused with 64-wide V tiles."""
+    B, T, HQ, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if cu_seqlens is None:
+        cu_seqlens = layout.cu_seqlens if layout.is_varlen else None
+        num_seqs = layout.num_seqs
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
+    ht = torch.empty(num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if store_final else None
+    launch(gdn_fwd_ws_kernel, (ceil_div(V, 64), num_seqs * HV),
+           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+           HQ=HQ, HV=HV, K=K, V=V, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=160)
+    return o, ht
