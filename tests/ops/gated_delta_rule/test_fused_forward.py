@@ -81,6 +81,7 @@ def test_gpu_fused_forward_rule_by_programs():
     tile = launch_table.fused_forward_tile
     assert tile(128, 128, 4, torch.bfloat16, False, dev) is None
     assert tile(128, 128, sm // 2, torch.bfloat16, False, dev) == "ws"
+    assert tile(128, 128, sm, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128
     assert tile(128, 192, 2 * sm, torch.bfloat16, False, dev) == 64
     assert tile(128, 128, 2 * sm, torch.bfloat16, True, dev) is None

@@ -116,12 +116,16 @@ def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(h_ready.index(buf))
+        # everything that does not need k h^T, while it runs
         valid = cols < gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
-        v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
+        eb_beta = _exp2(b2) * b_beta
+        decay = _exp2(b2_last - b2)
+        v_beta = v_ring.index(slot).permute((1, 0)).load(chunk_acc).to(gl.float32) * b_beta[None, :]  # v^T beta
         kh = warpgroup_mma_wait(num_outstanding=0, deps=(kh, ))
-        x = v_t.to(gl.float32) * b_beta[None, :] - kh * (_exp2(b2) * b_beta)[None, :]
+        x = v_beta - kh * eb_beta[None, :]
         vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
                            gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        state = state * gl.exp2(b2_last)  # while T x^T runs
         vn = warpgroup_mma_wait(num_outstanding=0, deps=(vn, ))
         vn = gl.where(valid[None, :], vn, 0.0)
         # vn^T for the output warpgroup, before the state product is issued (stored beside it,
@@ -131,8 +135,8 @@ def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(v_ready.index(buf))
-        state = warpgroup_mma(gl.convert_layout((vn * _exp2(b2_last - b2)[None, :]).to(dt), a_for_state),
-                              k_tile, state * gl.exp2(b2_last), is_async=True)
+        state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile, state,
+                              is_async=True)
         state = warpgroup_mma_wait(num_outstanding=0, deps=(state, ))
         gl.thread_barrier()  # every warp's reads of the slot (v^T, and k, T by the products) are done
         mbarrier.arrive(free.index(slot))
@@ -171,16 +175,18 @@ def _output(o, g_cum, beta, cu_seqlens, T, scale, v_start,
         mbarrier.wait(h_ready.index(buf), phase)
         qh = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
                            use_acc=False, is_async=True)
-        pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+        # the decays of P^T and of q h^T while the products run
         b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
-        p_stage.store(gl.where(p_rows[:, None] <= cols[None, :],
-                               pt * _exp2(b2[None, :] + log2_scale - b_j[:, None]), 0.0).to(dt))
+        gamma = gl.where(p_rows[:, None] <= cols[None, :], _exp2(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
+        eb_scale = _exp2(b2) * scale
+        pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+        p_stage.store((pt * gamma).to(dt))
         fence_async_shared()
         qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh, ))
         gl.thread_barrier()  # P^T whole in shared memory; q, k and h^T read
         mbarrier.arrive(h_free.index(buf))
         mbarrier.arrive(free.index(slot))
-        out = qh * (_exp2(b2) * scale)[None, :]
+        out = qh * eb_scale[None, :]
         mbarrier.wait(v_ready.index(buf), phase)
         out = warpgroup_mma(v_buf.index(buf), p_stage, out, is_async=True)
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
