@@ -182,16 +182,16 @@ def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, ba
 
 
 # The forward's state pass and output fused in one Hopper kernel (gluon/), from
-# bench/gdn_fused_forward.py (H100, K = V = 128). Two forms: warp roles (forward_ws.py: a chain
-# warpgroup, an output warpgroup and a load warpgroup per 64-wide V tile, one program per SM)
-# up to about two waves of (chain, V tile) programs (B4 T4096 H16, 128 programs: 0.15 ms against
-# 0.22 for the one-role kernel and 0.27 for the Triton passes; B1 T32768 H16 cut into 64-chunk
-# segments, 256 programs: forward 0.70 ms against 0.73 one-role), and beyond that the one-role
-# kernel with 128-wide tiles (forward_fused.py, eight warps, two programs per SM; B8 T4096 H32,
-# 512 programs: 0.54 ms, warp roles 0.59, Triton 1.12). Below half a wave of programs the Triton
-# passes' narrower V tiles spread each chain over more SMs (B1 T8192 H16, 32 programs: Triton
-# 0.27 ms, warp roles 0.28).
-FUSED_MIN_TILES_PER_SM = 0.5
+# bench/gdn_fused_forward.py (H100, K = V = 128; kernel ms). Two forms: warp roles
+# (forward_ws.py: a chain warpgroup, an output warpgroup and a load warpgroup per 64-wide V tile,
+# one program per SM) up to about two waves of (chain, V tile) programs (B1 T8192 H16, 32
+# programs: 0.22 against 0.27 for the Triton passes; B4 T4096 H16, 128 programs: 0.16 against
+# 0.22 one-role and 0.32 Triton; B1 T32768 H16 cut into 64-chunk segments, 256 programs: public
+# forward 0.67 against 0.75 one-role), and beyond that the one-role kernel with 128-wide tiles
+# (forward_fused.py, eight warps; B8 T4096 H32, 512 programs: 0.54, warp roles 0.63, Triton 1.12).
+# Below that the Triton passes' narrower V tiles spread each chain over more SMs (not measured
+# below 32 programs).
+FUSED_MIN_TILES_PER_SM = 0.2
 WARP_ROLES_MAX_TILES_PER_SM = 2.0
 
 

@@ -80,6 +80,7 @@ def test_gpu_fused_forward_rule_by_programs():
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
     tile = launch_table.fused_forward_tile
     assert tile(128, 128, 4, torch.bfloat16, False, dev) is None
+    assert tile(128, 128, sm // 4, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, sm // 2, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, sm, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128

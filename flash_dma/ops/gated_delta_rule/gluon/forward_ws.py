@@ -5,7 +5,8 @@ load warpgroup fills a ring of q, k, v and T tiles. Per CTA: one (V tile of 64, 
 head). Scalar gate or none; K 64 or 128; 16-bit inputs.
 
 Barriers (mbarriers, one arrive each unless said):
-    ready[s]   loads of ring slot s landed (cp.async arrivals of the load warpgroup)
+    ready[s]   loads of ring slot s landed (cp.async arrivals of the load warpgroup's 128 threads,
+               and one arrival after its stores of the slot's gate and beta rows)
     free[s]    slot s read by the chain and the output warpgroups (two arrivals)
     h_ready[i] / h_free[i]    h^T of chunk c in buffer i = c % 2, written / read
     v_ready[i] / v_free[i]    v_new^T of chunk c in buffer i, written / read
@@ -46,20 +47,17 @@ def _sequence(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _rows(g_cum, beta, c, bos, seq_len, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr, WITH_BETA: gl.constexpr):
-    """Chunk c's gate cumsums in log2 units at positions idx (zero past the sequence), and its
-    beta (or zeros without WITH_BETA)."""
+def _rows(g_cum, beta, c, bos, seq_len, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr):
+    """Chunk c's gate cumsums in log2 units and its beta, fp32, at positions idx (zero past the
+    sequence)."""
     n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
     tok = bos + c * CHUNK + idx
     valid = idx < n_valid
-    if WITH_BETA:
-        b_beta = gl.load(beta + tok * HV + hv, mask=valid, other=0.0).to(gl.float32)
-    else:
-        b_beta = gl.zeros_like(idx).to(gl.float32)
+    b_beta = gl.load(beta + tok * HV + hv, mask=valid, other=0.0).to(gl.float32)
     if HAS_G:
         b = gl.load(g_cum + tok * HV + hv, mask=valid, other=0.0) * LOG2E
     else:
-        b = gl.zeros_like(idx).to(gl.float32)
+        b = gl.zeros_like(b_beta)
     return b, b_beta
 
 
@@ -75,8 +73,8 @@ def _last_gate(g_cum, c, num_chunks, bos, seq_len, hv, HV: gl.constexpr, HAS_G: 
 
 
 @gluon.jit
-def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
-           k_ring, v_ring, t_ring, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
+def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
+           k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
            HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
            HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The state's warpgroup: per chunk kh^T = h^T k^T, x^T = (v^T - kh^T e^B) beta,
@@ -96,17 +94,17 @@ def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
     else:
         state = gl.zeros([BV, K], gl.float32, state_acc)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
-    # the next chunk's gate rows and beta are loaded a chunk ahead (a load at use would sit on the chain)
-    b2, b_beta = _rows(g_cum, beta, 0, bos, seq_len, hv, HV, cols, HAS_G, True)
+    # the gate at the next chunk's last row is loaded a chunk ahead (a load at use would sit on the chain)
     b2_last = _last_gate(g_cum, 0, num_chunks, bos, seq_len, hv, HV, HAS_G)
     for c in range(0, num_chunks):
         slot = c % STAGES
         buf = c % 2
         phase = (c // 2) & 1
-        b2_next, beta_next = _rows(g_cum, beta, c + 1, bos, seq_len, hv, HV, cols, HAS_G, True)
         b2_last_next = _last_gate(g_cum, c + 1, num_chunks, bos, seq_len, hv, HV, HAS_G)
         h_low = state.to(dt)
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        b2 = g_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
+        b_beta = beta_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
         k_tile = k_ring.index(slot)
         kh = warpgroup_mma(gl.convert_layout(h_low, a_for_chunk), k_tile.permute((1, 0)),
                            gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
@@ -140,16 +138,15 @@ def _chain(h0, ht, g_cum, beta, cu_seqlens, T, v_start,
         state = warpgroup_mma_wait(num_outstanding=0, deps=(state, ))
         gl.thread_barrier()  # every warp's reads of the slot (v^T, and k, T by the products) are done
         mbarrier.arrive(free.index(slot))
-        b2, b_beta, b2_last = b2_next, beta_next, b2_last_next
+        b2_last = b2_last_next
     if STORE_HT:
         gl.store(ht + seq_hv.to(gl.int64) * K * V + sk[None, :] * V + sv[:, None], state)
 
 
 @gluon.jit
-def _output(o, g_cum, beta, cu_seqlens, T, scale, v_start,
-            q_ring, k_ring, p_stage, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
-            HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr,
-            IS_VARLEN: gl.constexpr):
+def _output(o, cu_seqlens, T, scale, v_start,
+            q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
+            HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, then
     o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
     seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
@@ -162,13 +159,12 @@ def _output(o, g_cum, beta, cu_seqlens, T, scale, v_start,
     ov = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, out_layout))
     oc = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, out_layout))
     log2_scale = gl.log2(scale)
-    b2, _ = _rows(g_cum, beta, 0, bos, seq_len, hv, HV, cols, HAS_G, False)
     for c in range(0, num_chunks):
         slot = c % STAGES
         buf = c % 2
         phase = (c // 2) & 1
-        b2_next, _ = _rows(g_cum, beta, c + 1, bos, seq_len, hv, HV, cols, HAS_G, False)
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        b2 = g_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
         q_tile = q_ring.index(slot)
         pt = warpgroup_mma(k_ring.index(slot), q_tile.permute((1, 0)),
                            gl.zeros([CHUNK, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
@@ -197,16 +193,17 @@ def _output(o, g_cum, beta, cu_seqlens, T, scale, v_start,
         o_t = gl.convert_layout(out.to(o.dtype.element_ty), out_layout)
         o_offs = ((tok0 + oc) * HV + hv)[None, :] * V + ov[:, None]
         gl.store(o + o_offs, o_t, mask=(oc < n_valid)[None, :] & (ov < V)[:, None])
-        b2 = b2_next
 
 
 @gluon.jit
-def _loader(q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, ready, free,
-            HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
-            IS_VARLEN: gl.constexpr):
+def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows,
+            ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+            STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The load warpgroup: cp.async of each chunk's q, k (per q/k head), v and T (per value
     head) into the ring, rows past the sequence zero-filled; each thread's copies arrive on the
-    slot's ready barrier as they land."""
+    slot's ready barrier as they land; the chunk's gate cumsums (log2 units) and beta go to the
+    slot's rows in fp32 (plain loads and stores: beta's 2-byte elements are too small for
+    cp.async), published by one more arrival."""
     seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
     head = hv // (HV // HQ)
     key_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [4, 1], [1, 0])
@@ -215,6 +212,7 @@ def _loader(q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring,
     kcols = gl.arange(0, K, layout=gl.SliceLayout(0, key_load))
     vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
     vcols = gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
+    row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for c in range(0, num_chunks):
         slot = c % STAGES
         mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
@@ -230,6 +228,11 @@ def _loader(q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring,
         async_copy.async_copy_global_to_shared(
             t_ring.index(slot), ai + ((tok0 + vrows)[:, None] * HV + hv) * CHUNK + vcols[None, :], value_mask)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+        b2, b_beta = _rows(g_cum, beta, c, bos, seq_len, hv, HV, row_idx, HAS_G)
+        g_rows.index(slot).store(b2)
+        beta_rows.index(slot).store(b_beta)
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(slot))
 
 
 @gluon.jit(do_not_specialize=["T"])
@@ -251,6 +254,9 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
     h_buf = gl.allocate_shared_memory(dt, [2, BV, K], state_smem)
     v_buf = gl.allocate_shared_memory(dt, [2, BV, CHUNK], value_smem)
     p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], value_smem)
+    row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    g_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
+    beta_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -258,7 +264,7 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
     v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=128)  # one cp.async arrival per load thread
+        mbarrier.init(ready.index(i), count=129)  # one cp.async arrival per load thread, one for the rows
         mbarrier.init(free.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(h_ready.index(i), count=1)
@@ -266,12 +272,13 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_free.index(i), count=1)
     gl.warp_specialize([
-        (_chain, (h0, ht, g_cum, beta, cu_seqlens, T, v_start, k_ring, v_ring, t_ring, h_buf, v_buf, ready, free,
-                  h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT, IS_VARLEN)),
-        (_output, (o, g_cum, beta, cu_seqlens, T, scale, v_start, q_ring, k_ring, p_stage, h_buf, v_buf, ready, free,
-                   h_ready, h_free, v_ready, v_free, HV, V, STAGES, HAS_G, IS_VARLEN)),
-        (_loader, (q, k, v, ai, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, ready, free,
-                   HQ, HV, K, V, STAGES, IS_VARLEN)),
+        (_chain, (h0, ht, g_cum, cu_seqlens, T, v_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf,
+                  ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
+                  IS_VARLEN)),
+        (_output, (o, cu_seqlens, T, scale, v_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free,
+                   h_ready, h_free, v_ready, v_free, HV, V, STAGES, IS_VARLEN)),
+        (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows,
+                   beta_rows, ready, free, HQ, HV, K, V, STAGES, HAS_G, IS_VARLEN)),
     ], [4, 4], [160, 64])
 
 
