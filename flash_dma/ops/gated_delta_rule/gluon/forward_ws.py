@@ -215,6 +215,7 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_
     row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for c in range(0, num_chunks):
         slot = c % STAGES
+        b2, b_beta = _rows(g_cum, beta, c, bos, seq_len, hv, HV, row_idx, HAS_G)  # in flight through the wait
         mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
         n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
         tok0 = bos + c.to(gl.int64) * CHUNK
@@ -228,7 +229,6 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_
         async_copy.async_copy_global_to_shared(
             t_ring.index(slot), ai + ((tok0 + vrows)[:, None] * HV + hv) * CHUNK + vcols[None, :], value_mask)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-        b2, b_beta = _rows(g_cum, beta, c, bos, seq_len, hv, HV, row_idx, HAS_G)
         g_rows.index(slot).store(b2)
         beta_rows.index(slot).store(b_beta)
         gl.thread_barrier()
