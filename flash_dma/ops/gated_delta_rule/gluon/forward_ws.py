@@ -11,7 +11,6 @@ Barriers (mbarriers, one arrive each unless said):
     h_ready[i] / h_free[i]    h^T of chunk c in buffer i = c % 2, written / read
     v_ready[i] / v_free[i]    v_new^T of chunk c in buffer i, written / read
 """
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
@@ -19,57 +18,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
+from .common import (
+    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
+    state_offsets, store_output
+)
 
-CHUNK = gl.constexpr(64)
-LOG2E = gl.constexpr(1.4426950408889634)
 BV = gl.constexpr(64)
-
-
-@gluon.jit
-def _exp2(x):
-    """2^x on the MUFU unit alone (denormal results flushed to zero)."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _sequence(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """(sequence x value head, value head, first token, length, chunks) of this program."""
-    seq_hv = gl.program_id(1)
-    seq = seq_hv // HV
-    if IS_VARLEN:
-        bos = gl.load(cu_seqlens + seq).to(gl.int64)
-        seq_len = gl.load(cu_seqlens + seq + 1).to(gl.int64) - bos
-    else:
-        bos = seq.to(gl.int64) * T
-        seq_len = T.to(gl.int64)
-    return seq_hv, seq_hv % HV, bos, seq_len, gl.cdiv(seq_len, CHUNK).to(gl.int32)
-
-
-@gluon.jit
-def _rows(g_cum, beta, c, bos, seq_len, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr):
-    """Chunk c's gate cumsums in log2 units and its beta, fp32, at positions idx (zero past the
-    sequence)."""
-    n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
-    tok = bos + c * CHUNK + idx
-    valid = idx < n_valid
-    b_beta = gl.load(beta + tok * HV + hv, mask=valid, other=0.0).to(gl.float32)
-    if HAS_G:
-        b = gl.load(g_cum + tok * HV + hv, mask=valid, other=0.0) * LOG2E
-    else:
-        b = gl.zeros_like(b_beta)
-    return b, b_beta
-
-
-@gluon.jit
-def _last_gate(g_cum, c, num_chunks, bos, seq_len, hv, HV: gl.constexpr, HAS_G: gl.constexpr):
-    """The gate cumsum at chunk c's last row, log2 units (0 past the last chunk or without g)."""
-    if HAS_G:
-        last = gl.minimum(seq_len - c * CHUNK, CHUNK) - 1
-        tok = bos + c * CHUNK + gl.maximum(last, 0)
-        return gl.load(g_cum + tok * HV + hv, mask=c < num_chunks, other=0.0) * LOG2E
-    else:
-        return 0.0
 
 
 @gluon.jit
@@ -79,7 +33,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
            HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The state's warpgroup: per chunk kh^T = h^T k^T, x^T = (v^T - kh^T e^B) beta,
     vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k; hands h^T and vn^T on."""
-    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     dt: gl.constexpr = k_ring.dtype
     state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, K, 16])
@@ -87,20 +41,20 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
                                                         instr_shape=[16, CHUNK, 16])
     a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
     a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
-    sv = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, state_acc))
-    sk = gl.arange(0, K, layout=gl.SliceLayout(0, state_acc))
     if HAS_H0:
-        state = gl.load(h0 + seq_hv.to(gl.int64) * K * V + sk[None, :] * V + sv[:, None])
+        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
+        state = gl.load(h0 + seq_hv.to(gl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
     else:
         state = gl.zeros([BV, K], gl.float32, state_acc)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     # the gate at the next chunk's last row is loaded a chunk ahead (a load at use would sit on the chain)
-    b2_last = _last_gate(g_cum, 0, num_chunks, bos, seq_len, hv, HV, HAS_G)
+    b2_last = last_gate(g_cum, bos, gl.minimum(seq_len, CHUNK), hv, HV, HAS_G)
     for c in range(0, num_chunks):
         slot = c % STAGES
         buf = c % 2
         phase = (c // 2) & 1
-        b2_last_next = _last_gate(g_cum, c + 1, num_chunks, bos, seq_len, hv, HV, HAS_G)
+        next_rows = gl.maximum(gl.minimum(seq_len - (c + 1) * CHUNK, CHUNK), 0)
+        b2_last_next = last_gate(g_cum, bos + (c + 1) * CHUNK, next_rows, hv, HV, HAS_G)
         h_low = state.to(dt)
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         b2 = g_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
@@ -116,8 +70,8 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
         mbarrier.arrive(h_ready.index(buf))
         # everything that does not need k h^T, while it runs
         valid = cols < gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
-        eb_beta = _exp2(b2) * b_beta
-        decay = _exp2(b2_last - b2)
+        eb_beta = exp2_ftz(b2) * b_beta
+        decay = exp2_ftz(b2_last - b2)
         v_beta = v_ring.index(slot).permute((1, 0)).load(chunk_acc).to(gl.float32) * b_beta[None, :]  # v^T beta
         kh = warpgroup_mma_wait(num_outstanding=0, deps=(kh, ))
         x = v_beta - kh * eb_beta[None, :]
@@ -140,7 +94,8 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
         mbarrier.arrive(free.index(slot))
         b2_last = b2_last_next
     if STORE_HT:
-        gl.store(ht + seq_hv.to(gl.int64) * K * V + sk[None, :] * V + sv[:, None], state)
+        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
+        gl.store(ht + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
 
 
 @gluon.jit
@@ -149,15 +104,12 @@ def _output(o, cu_seqlens, T, scale, v_start,
             HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, then
     o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
-    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     dt: gl.constexpr = q_ring.dtype
     chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, CHUNK, 16])
-    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [BV // 8, 32 // (BV // 8)], [1, 4], [0, 1])
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     p_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_acc))
-    ov = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, out_layout))
-    oc = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, out_layout))
     log2_scale = gl.log2(scale)
     for c in range(0, num_chunks):
         slot = c % STAGES
@@ -173,8 +125,8 @@ def _output(o, cu_seqlens, T, scale, v_start,
                            use_acc=False, is_async=True)
         # the decays of P^T and of q h^T while the products run
         b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
-        gamma = gl.where(p_rows[:, None] <= cols[None, :], _exp2(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
-        eb_scale = _exp2(b2) * scale
+        gamma = gl.where(p_rows[:, None] <= cols[None, :], exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
+        eb_scale = exp2_ftz(b2) * scale
         pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
         p_stage.store((pt * gamma).to(dt))
         fence_async_shared()
@@ -188,11 +140,7 @@ def _output(o, cu_seqlens, T, scale, v_start,
         out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
         gl.thread_barrier()
         mbarrier.arrive(v_free.index(buf))
-        tok0 = bos + c.to(gl.int64) * CHUNK
-        n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
-        o_t = gl.convert_layout(out.to(o.dtype.element_ty), out_layout)
-        o_offs = ((tok0 + oc) * HV + hv)[None, :] * V + ov[:, None]
-        gl.store(o + o_offs, o_t, mask=(oc < n_valid)[None, :] & (ov < V)[:, None])
+        store_output(o, out, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK), hv, HV, V, v_start, BV, 4)
 
 
 @gluon.jit
@@ -204,30 +152,17 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_
     slot's ready barrier as they land; the chunk's gate cumsums (log2 units) and beta go to the
     slot's rows in fp32 (plain loads and stores: beta's 2-byte elements are too small for
     cp.async), published by one more arrival."""
-    seq_hv, hv, bos, seq_len, num_chunks = _sequence(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     head = hv // (HV // HQ)
-    key_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [4, 1], [1, 0])
-    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [4, 1], [1, 0])
-    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, key_load))
-    kcols = gl.arange(0, K, layout=gl.SliceLayout(0, key_load))
-    vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
-    vcols = gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
     row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for c in range(0, num_chunks):
         slot = c % STAGES
-        b2, b_beta = _rows(g_cum, beta, c, bos, seq_len, hv, HV, row_idx, HAS_G)  # in flight through the wait
-        mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
+        tok0 = bos + c * CHUNK
         n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
-        tok0 = bos + c.to(gl.int64) * CHUNK
-        key_mask = (rows < n_valid)[:, None] & (kcols < K)[None, :]
-        key_offs = ((tok0 + rows)[:, None] * HQ + head) * K + kcols[None, :]
-        async_copy.async_copy_global_to_shared(q_ring.index(slot), q + key_offs, key_mask)
-        async_copy.async_copy_global_to_shared(k_ring.index(slot), k + key_offs, key_mask)
-        value_mask = (vrows < n_valid)[:, None] & (vcols < BV)[None, :]
-        async_copy.async_copy_global_to_shared(
-            v_ring.index(slot), v + ((tok0 + vrows)[:, None] * HV + hv) * V + v_start + vcols[None, :], value_mask)
-        async_copy.async_copy_global_to_shared(
-            t_ring.index(slot), ai + ((tok0 + vrows)[:, None] * HV + hv) * CHUNK + vcols[None, :], value_mask)
+        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, row_idx, HAS_G)  # in flight through the wait
+        mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
+        copy_chunk_tiles(q, k, v, ai, q_ring.index(slot), k_ring.index(slot), v_ring.index(slot), t_ring.index(slot),
+                         tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, 4)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
         g_rows.index(slot).store(b2)
         beta_rows.index(slot).store(b_beta)
@@ -244,13 +179,9 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
     output and load warpgroups."""
     dt: gl.constexpr = q.dtype.element_ty
     v_start = gl.program_id(0) * BV
-    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
     state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
-    q_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem)
-    k_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem)
-    v_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, BV], value_smem)
-    t_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, CHUNK], value_smem)
+    q_ring, k_ring, v_ring, t_ring = allocate_ring(dt, K, BV, STAGES)
     h_buf = gl.allocate_shared_memory(dt, [2, BV, K], state_smem)
     v_buf = gl.allocate_shared_memory(dt, [2, BV, CHUNK], value_smem)
     p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], value_smem)
@@ -285,13 +216,9 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
 def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, stages: int = 2,
                cu_seqlens=None, num_seqs=None):
     """As forward_fused.forward_fused with 64-wide V tiles."""
-    B, T, HQ, K = q.shape
+    T, HQ, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is None:
-        cu_seqlens = layout.cu_seqlens if layout.is_varlen else None
-        num_seqs = layout.num_seqs
-    o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
-    ht = torch.empty(num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if store_final else None
+    o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
     launch(gdn_fwd_ws_kernel, (ceil_div(V, 64), num_seqs * HV),
            q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
