@@ -19,9 +19,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from flash_dma.ops.gated_delta_rule.gluon.common import CHUNK, LOG2E, exp2_ftz, sequence_of_program, state_offsets
+from flash_dma.ops.gated_delta_rule.gluon.common import (
+    CHUNK, LOG2E, exp2_ftz, hand_off, sequence_of_program, start_state, state_offsets
+)
 from flash_dma.runtime.config import ceil_div
 
 BV = gl.constexpr(64)
@@ -59,11 +61,7 @@ def _chain(dht, dh0, g_cum, cu_seqlens, T, scale, v_start, q_ring, k_ring, w_rin
                                                         instr_shape=[16, CHUNK, 16])
     a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
     a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
-    if HAS_DHT:
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        state = gl.load(dht + seq_hv.to(gl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
-    else:
-        state = gl.zeros([BV, K], gl.float32, state_acc)
+    state = start_state(dht, seq_hv, v_start, V, BV, K, state_acc, HAS_DHT)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     # the gate at each chunk's last row is loaded an iteration ahead (a load at use sits on the chain)
     last = _last_gate(g_cum, 0, num_chunks, bos, seq_len, hv, HV, HAS_G)
@@ -83,21 +81,13 @@ def _chain(dht, dh0, g_cum, cu_seqlens, T, scale, v_start, q_ring, k_ring, w_rin
         do_a = gl.convert_layout((do_t * (exp2_ftz(b2) * scale)[None, :]).to(dt), a_for_state)
         state = warpgroup_mma(do_a, q_ring.index(slot), state * gl.exp2(last), is_async=True)
         # dh[c] = D for the store warpgroup, while the products run
-        mbarrier.wait(d_free.index(buf), phase ^ 1)
-        d_buf.index(buf).store(d_low)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(d_ready.index(buf))
+        hand_off(d_buf, d_low, d_ready, d_free, buf, phase)
         dv_t = dv_ring.index(slot).permute((1, 0)).load(chunk_acc).to(gl.float32)
         decay = gl.where(cols < n_valid, exp2_ftz(last - b2), 0.0)
         kd = warpgroup_mma_wait(num_outstanding=1, deps=(kd, ))
         dv2 = dv_t + kd * decay[None, :]
         dv2_low = dv2.to(dt)
-        mbarrier.wait(v2_free.index(buf), phase ^ 1)
-        v2_buf.index(buf).store(dv2_low)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(v2_ready.index(buf))
+        hand_off(v2_buf, dv2_low, v2_ready, v2_free, buf, phase)
         state = warpgroup_mma(gl.convert_layout(-dv2_low, a_for_state), w_ring.index(slot), state, is_async=True)
         state = warpgroup_mma_wait(num_outstanding=0, deps=(state, ))
         gl.thread_barrier()  # every warp's reads of the slot are done

@@ -112,7 +112,7 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
     the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
-    H, HV = q.shape[2], v.shape[2]
+    H = q.shape[2]
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)

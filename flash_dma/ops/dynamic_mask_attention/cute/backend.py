@@ -3,8 +3,6 @@
 plain.py, a mask and/or bias through masked.py (fixed lengths; plan.py sends nothing else)."""
 from __future__ import annotations
 
-import torch
-
 from ....runtime.rows import zero_rows_past
 from . import masked, plain
 

@@ -32,7 +32,6 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cute.nvgpu import cpasync, warp

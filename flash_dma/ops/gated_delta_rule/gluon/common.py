@@ -1,9 +1,11 @@
-"""Pieces both fused forward kernels share: the program's sequence, the chunk's tile copies into
+"""Pieces the fused forward kernels share: the program's sequence, the chunk's tile copies into
 a shared-memory ring slot, its gate and beta rows, the fast exponential, the transposed state's
-addressing and the output's store."""
+addressing and start, the output's store, and the warp-role kernels' hand-off between
+partitions."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 CHUNK = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -129,3 +131,28 @@ def output_buffers(layout, q, v, store_final: bool, cu_seqlens=None, num_seqs=No
     o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
     ht = torch.empty(num_seqs, HV, q.shape[3], V, device=q.device, dtype=torch.float32) if store_final else None
     return o, ht, cu_seqlens, num_seqs
+
+
+@gluon.jit
+def start_state(base, seq_hv, v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.constexpr, layout: gl.constexpr,
+                GIVEN: gl.constexpr):
+    """A chain's starting h^T (or D^T) [BV, K] fp32 in `layout`: from a [.., K, V] state at index
+    seq_hv of `base` (h0, dht, a segment's start), or zeros."""
+    if GIVEN:
+        s_offs, s_mask = state_offsets(v_start, V, BV, K, layout)
+        return gl.load(base + seq_hv.to(gl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
+    else:
+        return gl.zeros([BV, K], gl.float32, layout)
+
+
+@gluon.jit
+def hand_off(bufs, value, ready, free, index, phase):
+    """One partition's value for another through double-buffered shared memory: wait until
+    buffer `index` is free (the reader's arrival of two uses ago), store, make the store visible
+    to the async proxy (the reader's warpgroup MMA), then, every warp's part written, arrive on
+    the buffer's ready barrier."""
+    mbarrier.wait(free.index(index), phase ^ 1)
+    bufs.index(index).store(value)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(index))

@@ -29,7 +29,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
     CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
-    state_offsets, store_output
+    start_state, state_offsets, store_output
 )
 
 
@@ -74,11 +74,7 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, sca
     q_ring, k_ring, v_ring, t_ring = allocate_ring(dt, K, BV, STAGES)
     p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem)  # P^T [j, i]
 
-    if HAS_H0:
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        state = gl.load(h0 + seq_hv.to(gl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
-    else:
-        state = gl.zeros([BV, K], gl.float32, state_acc)
+    state = start_state(h0, seq_hv, v_start, V, BV, K, state_acc, HAS_H0)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))  # the chunk's tokens, as columns
     p_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, pair_acc))  # j
     p_cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, pair_acc))  # i

@@ -20,7 +20,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
     CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
-    state_offsets, store_output
+    hand_off, start_state, state_offsets, store_output
 )
 
 BV = gl.constexpr(64)
@@ -41,11 +41,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
                                                         instr_shape=[16, CHUNK, 16])
     a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
     a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
-    if HAS_H0:
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        state = gl.load(h0 + seq_hv.to(gl.int64) * K * V + s_offs, mask=s_mask, other=0.0)
-    else:
-        state = gl.zeros([BV, K], gl.float32, state_acc)
+    state = start_state(h0, seq_hv, v_start, V, BV, K, state_acc, HAS_H0)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     # the gate at the next chunk's last row is loaded a chunk ahead (a load at use would sit on the chain)
     b2_last = last_gate(g_cum, bos, gl.minimum(seq_len, CHUNK), hv, HV, HAS_G)
@@ -63,11 +59,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
         kh = warpgroup_mma(gl.convert_layout(h_low, a_for_chunk), k_tile.permute((1, 0)),
                            gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
         # h^T for the output warpgroup, while k h^T runs
-        mbarrier.wait(h_free.index(buf), phase ^ 1)
-        h_buf.index(buf).store(h_low)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(h_ready.index(buf))
+        hand_off(h_buf, h_low, h_ready, h_free, buf, phase)
         # everything that does not need k h^T, while it runs
         valid = cols < gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
         eb_beta = exp2_ftz(b2) * b_beta
@@ -82,11 +74,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
         vn = gl.where(valid[None, :], vn, 0.0)
         # vn^T for the output warpgroup, before the state product is issued (stored beside it,
         # ptxas 12.8 and 12.9 crashed at -O3)
-        mbarrier.wait(v_free.index(buf), phase ^ 1)
-        v_buf.index(buf).store(vn.to(dt))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(v_ready.index(buf))
+        hand_off(v_buf, vn.to(dt), v_ready, v_free, buf, phase)
         state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile, state,
                               is_async=True)
         state = warpgroup_mma_wait(num_outstanding=0, deps=(state, ))
