@@ -215,3 +215,11 @@ def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device:
     or none, K 64 or 128, V a multiple of 64, 16-bit inputs."""
     return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
             and not has_gk and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))
+
+
+def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
+    """Whether the fused chunk backward (gluon/backward_chunk.py: bwd_dqkw and bwd_wy in one
+    kernel) computes such a call: an SM90 GPU, scalar gate or none, K and V 64 or 128, 16-bit
+    inputs."""
+    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
+            and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))

@@ -13,7 +13,10 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_fused_forward          the forward's state pass and output as one SM90 kernel: "ws" with
                              warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
-                             pass and output kernels.
+                             pass and output kernels;
+  gdn_fused_backward         the backward's chunk-parallel passes (dq, dk, dw, then back through
+                             the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
+                             the Triton bwd_dqkw and bwd_wy passes.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -50,6 +53,8 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
+declare_choice("gdn_fused_backward", None, (True, False),
+               "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -75,6 +80,7 @@ class DeltaRulePlan:
     forward_join: Callable | None = None
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
+    fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -84,6 +90,14 @@ class DeltaRulePlan:
         log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
                    self.fused_forward.source)
         return form
+
+    def fused_backward_on(self) -> bool:
+        """Whether the backward's dqkw and WY passes run as the one Gluon kernel; logged like a
+        launch."""
+        on = bool(self.fused_backward.value)
+        log_choice(OP, "fused_backward", "gluon" if on else self.backend, self.info, self.shape,
+                   "one_kernel warps=8" if on else "off", self.fused_backward.source)
+        return on
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -244,7 +258,8 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
-                         fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device))
+                         fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
+                         fused_backward=_fused_backward(K, V, dtype, has_gk, device))
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
@@ -260,6 +275,20 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
         raise ValueError(
             f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
             f"multiple of {tile} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
+    return chosen
+
+
+def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
+    """Whether the backward's dqkw and WY passes run fused: launch_table's rule, or the override;
+    a forced fusion the call cannot take is an error, not a silent fallback."""
+    chosen = choice("gdn_fused_backward")
+    fits = launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
+    if chosen.value is None:
+        return Chosen(False, "rule")  # not yet measured on a GPU: off unless forced
+    if chosen.value and not fits:
+        raise ValueError(
+            f"gdn_fused_backward=True: the fused backward needs an SM90 GPU, no gk, K and V 64 or 128 and 16-bit "
+            f"inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
     return chosen
 
 
@@ -315,7 +344,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward"):
+                 "dhu_chunks_per_segment", "fused_forward", "fused_backward"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

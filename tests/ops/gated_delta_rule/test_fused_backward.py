@@ -1,0 +1,129 @@
+"""The fused SM90 chunk backward (gluon/backward_chunk.py: the Triton bwd_dqkw and bwd_wy passes
+in one kernel): every gradient against the fp64 reference, fixed lengths and varlen with empty and
+single-token sequences, GQA, K != V, no gate, the state passes whole and cut, beside each fused
+forward form; the same gradients as the Triton passes; the rule that picks it; and that it
+compiles for sm_90a on the CPU."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU
+from flash_dma.ops.gated_delta_rule import launch_table
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
+from flash_dma.runtime.config import overrides
+
+from .cases import check_against_reference, cu_from_lengths, make_inputs
+
+ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
+    "g-h0-K128": (2, 1000, 2, 2, 128, 128, "g", True, torch.bfloat16, None),
+    "one-chunk": (1, 64, 1, 1, 128, 128, "g", False, torch.bfloat16, None),
+    "65-tokens-fp16": (1, 65, 1, 1, 128, 128, "g", True, torch.float16, None),
+    "no-gate-gqa-K64": (3, 333, 1, 2, 64, 128, "none", False, torch.bfloat16, None),
+    "K64-V64": (2, 200, 2, 2, 64, 64, "g", True, torch.bfloat16, None),
+    "K128-V64-gqa": (1, 300, 2, 4, 128, 64, "g", True, torch.bfloat16, None),
+    "varlen-empty-single": (1, 1000, 1, 2, 128, 128, "g", True, torch.bfloat16, [1, 299, 0, 700]),
+}
+
+
+def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Leave a freed NaN block of the gradients' size in the caching allocator, which the op's
+    next allocation of that size reuses: rows the kernel fails to write then read as NaN."""
+    block = torch.full((numel,), float("nan"), device=DEVICE, dtype=dtype)
+    del block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused backward runs on SM90 GPUs")
+@pytest.mark.parametrize("forward, split", [(0, None), ("ws", None), (128, 3), (0, 1)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_fused_backward(name, forward, split):
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if forward == 128 and V % 128:
+        pytest.skip("V is not a multiple of the one-role forward's tile")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    chosen = {"gdn_fused_backward": True, "gdn_fused_forward": forward}
+    if split is not None:
+        chosen["gdn_chunks_per_segment"] = split
+    with overrides(**chosen):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
+        assert plan.fused_backward.value is True and plan.segment_chunks() == split
+        _poison_allocator(B * T * HV * max(K, V), dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused backward runs on SM90 GPUs")
+@pytest.mark.parametrize("name", ["g-h0-K128", "no-gate-gqa-K64", "varlen-empty-single"])
+def test_gpu_fused_backward_matches_triton_passes(name):
+    """The fused kernel and the Triton passes it replaces give the same gradients (both against
+    each other, tighter than either against fp64 would show)."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    torch.manual_seed(1)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    grads = {}
+    for fused in (True, False):
+        with overrides(gdn_fused_backward=fused):
+            _, grads[fused] = check_against_reference(inputs, dtype, **kwargs)
+    for leaf, got in grads[True].items():
+        want = grads[False][leaf].double()
+        err = float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+        assert err < 1e-2, f"d{leaf}: relative error {err:.2e} between the fused kernel and the Triton passes"
+
+
+def test_fused_backward_rule():
+    """Picked only on an SM90 GPU for what the kernel computes; forced where it cannot run, an
+    error naming the choice."""
+    cpu = torch.device("cpu")
+    assert not launch_table.fused_backward_fits(128, 128, torch.bfloat16, False, cpu)
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        assert plan_call(q, q, True, False, layout).fused_backward.value is False
+        with overrides(gdn_fused_backward=True), pytest.raises(ValueError, match="gdn_fused_backward=True"):
+            plan_call(q, q, True, False, layout)
+    with overrides(gdn_fused_backward=False):
+        assert plan_call(q, q, True, False, layout).fused_backward.value is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused backward runs on SM90 GPUs")
+def test_gpu_fused_backward_rule():
+    dev = torch.device(DEVICE)
+    fits = launch_table.fused_backward_fits
+    assert fits(128, 128, torch.bfloat16, False, dev) and fits(64, 64, torch.float16, False, dev)
+    assert not fits(128, 128, torch.bfloat16, True, dev)
+    assert not fits(128, 128, torch.float32, False, dev)
+    assert not fits(256, 128, torch.bfloat16, False, dev) and not fits(128, 192, torch.bfloat16, False, dev)
+
+
+@pytest.mark.parametrize("K, V, has_g, varlen, gqa", [(128, 128, True, False, False), (64, 128, False, True, True),
+                                                      (128, 64, True, True, False), (64, 64, True, False, True)])
+def test_fused_backward_compiles_for_sm90(K, V, has_g, varlen, gqa):
+    """The kernel compiles for sm_90a without a GPU (Triton's compiler and bundled ptxas), within
+    shared memory: CI catches a kernel that no longer builds."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flash_dma.ops.gated_delta_rule.gluon.backward_chunk import gdn_bwd_chunk_kernel
+
+    names = ["q", "k", "v", "v_new", "h", "dh", "do", "dv2", "ai", "g_cum", "beta", "dq", "dk", "dv", "dbeta",
+             "dg", "chunk_map", "cu_seqlens"]
+    pointers = {n: "*bf16" for n in names}
+    pointers.update(g_cum="*fp32", dbeta="*fp32", dg="*fp32", chunk_map="*i32", cu_seqlens="*i32")
+    if gqa:
+        pointers.update(dq="*fp32", dk="*fp32")
+    constants = {"HQ": 2 if gqa else 4, "HV": 4, "K": K, "V": V, "HAS_G": has_g, "IS_VARLEN": varlen}
+    signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
+    order = list(signature)
+    aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
+    source = GluonASTSource(gdn_bwd_chunk_kernel, signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"], "no cubin"
+    assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"
