@@ -13,7 +13,10 @@ inverse, B the gate cumsum, Gamma_ij = e^(B_i - B_j) on j <= i:
     dbeta = rows of (T^T du) . v + (T^T dw) . k e^B + dAg . K K^T
     dg = reverse cumsum of q.dq - k.dk (before the WY terms) + k e^B beta . (T^T dw)
          + rows - columns of (dAg . K K^T . beta) + the chunk-end terms at the last row.
-Every product is a warpgroup MMA; the loads are cp.async in three groups in the order of use, so
+Every product is a warpgroup MMA; each wait names the shared-memory operands of the products it
+waits for, which keeps them allocated until then (in straight-line code the compiler otherwise
+ends a buffer's life at its last product's issue and may hand its memory to a layout
+conversion's scratch while the product still reads it). The loads are cp.async in three groups in the order of use, so
 the first products start while the rest of the chunk's tiles arrive.
 """
 import torch
@@ -207,17 +210,17 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
                        is_async=True)
     dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, do_s, vn_s))[0]
     pg = dp * _gamma(b2, ri, cj, n_valid, True) * scale
     _publish(pair_s, pg.to(dt))
-    dqh = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, ))
+    dqh = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, do_s, h_s))[0]
     eb_k = gl.convert_layout(eb, key_rows)
     dq_t = warpgroup_mma(gl.convert_layout(pg.to(dt), a_for_key), k_s, dqh * (eb_k * scale)[:, None],
                          is_async=True)
     _landed(1)
     dvb = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
                         is_async=True)
-    dq_t = warpgroup_mma_wait(num_outstanding=1, deps=(dq_t, ))
+    dq_t = warpgroup_mma_wait(num_outstanding=1, deps=(dq_t, k_s))[0]
     gate = gl.convert_layout(_sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1), rows_of)
     _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K)
 
@@ -225,10 +228,10 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     # Triton path keeps it between its passes)
     dwa = warpgroup_mma(du_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    dvb = warpgroup_mma_wait(num_outstanding=1, deps=(dvb, ))
+    dvb = warpgroup_mma_wait(num_outstanding=1, deps=(dvb, t_s, du_s))[0]
     dbeta_t = gl.convert_layout(_sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1), rows_of)
     _store_rows(dv, dvb * gl.convert_layout(b_beta, value_rows)[:, None], tok0, n_valid, HV, hv, V)
-    dwa = warpgroup_mma_wait(num_outstanding=0, deps=(dwa, ))
+    dwa = warpgroup_mma_wait(num_outstanding=0, deps=(dwa, du_s, h_s))[0]
     _publish(dw_s, (-dwa).to(dt))
 
     # dT = du (v beta)^T + dw (k e^B beta)^T
@@ -236,7 +239,7 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
                         is_async=True)
     dwk = warpgroup_mma(dw_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
-    duv, dwk = warpgroup_mma_wait(num_outstanding=0, deps=(duv, dwk))
+    duv, dwk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(duv, dwk, du_s, v_s, dw_s, k_s))
     d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :] + dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
     _publish(dt_s, d_tmat.to(dt))
 
@@ -247,20 +250,20 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     tdt = warpgroup_mma(t_s.permute((1, 0)), dt_s, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
     last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
-    dkl = warpgroup_mma_wait(num_outstanding=1, deps=(dkl, ))
+    dkl = warpgroup_mma_wait(num_outstanding=1, deps=(dkl, vn_s, dh_s))[0]
     dk_t = dkl * gl.convert_layout(exp2_ftz(b2_last - b2), key_rows)[:, None]
     last_extra += _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
     dk_t = warpgroup_mma(pair_s.permute((1, 0)), q_s, dk_t, is_async=True)
     # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
-    tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, ))
+    tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, dt_s))[0]
     d_a = warpgroup_mma(gl.convert_layout(tdt.to(dt), a_for_pair), t_s.permute((1, 0)),
                         gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
     kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
-    dk_t = warpgroup_mma_wait(num_outstanding=2, deps=(dk_t, ))
+    dk_t = warpgroup_mma_wait(num_outstanding=2, deps=(dk_t, pair_s, q_s))[0]
     gate -= gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
     gate += gl.where(ri == n_valid - 1, last_extra, 0.0)
-    d_a, kkt = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt))
+    d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
     d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
     m = d_ag * kkt
     dbeta_t += _sum(m, axis=1)
@@ -275,12 +278,12 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
                         is_async=True)
     dk_t = warpgroup_mma(gl.convert_layout(x_dab, a_for_key), k_s, dk_t, is_async=True)
     dk_t = warpgroup_mma(pair_s.permute((1, 0)), k_s, dk_t, is_async=True)
-    dkb = warpgroup_mma_wait(num_outstanding=2, deps=(dkb, ))
+    dkb = warpgroup_mma_wait(num_outstanding=2, deps=(dkb, t_s, dw_s))[0]
     kb_row = _sum(dkb * (k_s.load(key_acc).to(gl.float32) * eb_k[:, None]), axis=1)
     kb_row = gl.convert_layout(kb_row, rows_of)
     dbeta_t += kb_row
     gate += kb_row * b_beta
-    dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, ))
+    dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, pair_s, k_s))[0]
     dk_t += dkb * (eb_k * gl.convert_layout(b_beta, key_rows))[:, None]
     _store_rows(dk, dk_t, tok0, n_valid, HV, hv, K)
     gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
