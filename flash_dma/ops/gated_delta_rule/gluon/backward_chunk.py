@@ -16,25 +16,25 @@ inverse, B the gate cumsum, Gamma_ij = e^(B_i - B_j) on j <= i:
 Every product is a warpgroup MMA; each wait names the shared-memory operands of the products it
 waits for, which keeps them allocated until then (in straight-line code the compiler otherwise
 ends a buffer's life at its last product's issue and may hand its memory to a layout
-conversion's scratch while the product still reads it). The loads are cp.async in three groups in the order of use, so
-the first products start while the rest of the chunk's tiles arrive.
+conversion's scratch while the product still reads it). The state tiles' products come first,
+so that in the persistent warp-role form (gdn_bwd_chunk_ws_kernel) their buffers go back to the
+load warpgroup early and the next item's state tiles load while this item's WY part runs.
 """
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from ....runtime.hardware import device_info
 from ....runtime.launch import launch
 from .common import CHUNK, LOG2E, exp2_ftz
 
 
 @gluon.jit
-def _chunk_of_program(chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """(value head, first token (int64), valid rows, global chunk index (int64)) of a program on
-    the grid (chunk slot, batch x value head). An unused varlen slot gets 0 valid rows."""
-    slot = gl.program_id(0)
-    bhv = gl.program_id(1)
+def _chunk_of_item(slot, bhv, chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """(value head, first token (int64), valid rows, global chunk index (int64)) of the work item
+    (chunk slot, batch x value head). An unused varlen slot gets 0 valid rows."""
     if IS_VARLEN:
         seq = gl.load(chunk_map + 2 * slot)
         local = gl.load(chunk_map + 2 * slot + 1)
@@ -53,10 +53,10 @@ def _chunk_of_program(chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.
 
 
 @gluon.jit
-def _copy_rows(smem, base, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr):
-    """cp.async of a [64, D] tile (rows tok0.. of a [tokens, heads, D] tensor) into smem; rows from
-    n_valid on are zero-filled."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [gl.num_warps(), 1], [1, 0])
+def _copy_rows(smem, base, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr, NW: gl.constexpr):
+    """cp.async of a [64, D] tile (rows tok0.. of a [tokens, heads, D] tensor) into smem by NW
+    warps; rows from n_valid on are zero-filled."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     offs = ((tok0 + rows)[:, None] * heads + head) * D + cols[None, :]
@@ -64,9 +64,9 @@ def _copy_rows(smem, base, tok0, n_valid, heads: gl.constexpr, head, D: gl.const
 
 
 @gluon.jit
-def _copy_state(smem, base, index, K: gl.constexpr, V: gl.constexpr):
-    """cp.async of the [K, V] state at `index` (int64) of a [.., K, V] tensor into smem."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [gl.num_warps(), 1], [1, 0])
+def _copy_state(smem, base, index, K: gl.constexpr, V: gl.constexpr, NW: gl.constexpr):
+    """cp.async of the [K, V] state at `index` (int64) of a [.., K, V] tensor into smem by NW warps."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [NW, 1], [1, 0])
     rows = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, V, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(smem, base + index * K * V + rows[:, None] * V + cols[None, :])
@@ -136,45 +136,67 @@ def _gamma(b2, ri, cj, n_valid, INCLUSIVE: gl.constexpr):
     return exp2_ftz(gl.where(keep, b2[:, None] - b2_col[None, :], float("-inf")))
 
 
-@gluon.jit(do_not_specialize=["T"])
-def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
-                         dq, dk, dv, dbeta, dg, chunk_map, cu_seqlens, T, scale,
-                         HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-                         HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    dt: gl.constexpr = q.dtype.element_ty
-    hv, tok0, n_valid, chunk = _chunk_of_program(chunk_map, cu_seqlens, T, HV, IS_VARLEN)
-    head = hv // (HV // HQ)
-    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
-    value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, V], dt)
-    square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
-    state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, V], dt)
-    do_s = gl.allocate_shared_memory(dt, [CHUNK, V], value_smem)
-    vn_s = gl.allocate_shared_memory(dt, [CHUNK, V], value_smem)
-    du_s = gl.allocate_shared_memory(dt, [CHUNK, V], value_smem)
-    v_s = gl.allocate_shared_memory(dt, [CHUNK, V], value_smem)
-    q_s = gl.allocate_shared_memory(dt, [CHUNK, K], key_smem)
-    k_s = gl.allocate_shared_memory(dt, [CHUNK, K], key_smem)
-    dw_s = gl.allocate_shared_memory(dt, [CHUNK, K], key_smem)
-    h_s = gl.allocate_shared_memory(dt, [K, V], state_smem)
-    dh_s = gl.allocate_shared_memory(dt, [K, V], state_smem)
-    t_s = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem)
-    pair_s = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem)  # Pg, then X
-    dt_s = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem)
+@gluon.jit
+def _tiles_ready(ready, group: gl.constexpr, phase, WS: gl.constexpr):
+    """Wait for the item's load group (0: do, v_new, h; 1: dv2, v; 2: dh; 3: q, k, T): on its
+    mbarrier with warp roles, else on cp.async groups (issued in that order)."""
+    if WS:
+        mbarrier.wait(ready.index(group), phase)
+    else:
+        _landed(3 - group)
 
+
+@gluon.jit
+def _tiles_free(free, group: gl.constexpr, WS: gl.constexpr):
+    """With warp roles, hand a load group's buffers back to the loader (every warp done reading)."""
+    if WS:
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(group))
+
+
+@gluon.jit
+def _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free,
+                 hv, head, tok0, n_valid, chunk, phase, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, NW: gl.constexpr, WS: gl.constexpr):
+    """One item's tiles in four load groups in the order the math uses them; with warp roles each
+    group waits for its buffers to be free and its copies arrive on the group's mbarrier, else
+    each group is a cp.async commit group."""
     state_index = chunk * HV + hv
-    _copy_rows(do_s, do, tok0, n_valid, HV, hv, V)
-    _copy_rows(vn_s, v_new, tok0, n_valid, HV, hv, V)
-    _copy_state(h_s, h, state_index, K, V)
-    _copy_rows(k_s, k, tok0, n_valid, HQ, head, K)
-    async_copy.commit_group()
-    _copy_rows(q_s, q, tok0, n_valid, HQ, head, K)
-    _copy_rows(t_s, ai, tok0, n_valid, HV, hv, CHUNK)
-    _copy_rows(du_s, dv2, tok0, n_valid, HV, hv, V)
-    _copy_rows(v_s, v, tok0, n_valid, HV, hv, V)
-    async_copy.commit_group()
-    _copy_state(dh_s, dh, state_index, K, V)
-    async_copy.commit_group()
+    if WS:
+        mbarrier.wait(free.index(0), phase ^ 1)
+    _copy_rows(do_s, do, tok0, n_valid, HV, hv, V, NW)
+    _copy_rows(vn_s, v_new, tok0, n_valid, HV, hv, V, NW)
+    _copy_state(h_s, h, state_index, K, V, NW)
+    _group_issued(ready, 0, free, 1, phase, WS)
+    _copy_rows(du_s, dv2, tok0, n_valid, HV, hv, V, NW)
+    _copy_rows(v_s, v, tok0, n_valid, HV, hv, V, NW)
+    _group_issued(ready, 1, free, 2, phase, WS)
+    _copy_state(dh_s, dh, state_index, K, V, NW)
+    _group_issued(ready, 2, free, 3, phase, WS)
+    _copy_rows(q_s, q, tok0, n_valid, HQ, head, K, NW)
+    _copy_rows(k_s, k, tok0, n_valid, HQ, head, K, NW)
+    _copy_rows(t_s, ai, tok0, n_valid, HV, hv, CHUNK, NW)
+    _group_issued(ready, 3, free, 4, phase, WS)
 
+
+@gluon.jit
+def _group_issued(ready, group: gl.constexpr, free, next_group: gl.constexpr, phase, WS: gl.constexpr):
+    """Close a load group: with warp roles, each thread's copies arrive on the group's mbarrier
+    as they land, then wait until the next group's buffers are free; else commit the group."""
+    if WS:
+        async_copy.mbarrier_arrive(ready.index(group), increment_count=False)
+        if next_group < 4:
+            mbarrier.wait(free.index(next_group), phase ^ 1)
+    else:
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free, phase,
+                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, WS: gl.constexpr):
+    """One chunk's gradients from its tiles in shared memory (the module docstring's math)."""
+    dt: gl.constexpr = q_s.dtype
     # WG warpgroups split every product's columns
     WG: gl.constexpr = gl.num_warps() // 4
     key_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -203,66 +225,72 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
         b2 = gl.zeros([CHUNK], gl.float32, rows_of)
         b2_last = 0.0
     eb = exp2_ftz(b2)  # e^B per row
+    eb_k = gl.convert_layout(eb, key_rows)
 
-    # dq = scale e^B (do h^T) + Pg k, Pg = scale (do vn^T) . Gamma
-    _landed(2)
+    # the products of the state tiles first (do h^T, du h^T, vn dh^T, dP = do vn^T), so that
+    # their buffers go back to the loader early; few accumulators live at once (registers)
+    _tiles_ready(ready, 0, phase, WS)
     dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                        is_async=True)
     dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, do_s, vn_s))[0]
-    pg = dp * _gamma(b2, ri, cj, n_valid, True) * scale
-    _publish(pair_s, pg.to(dt))
-    dqh = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, do_s, h_s))[0]
-    eb_k = gl.convert_layout(eb, key_rows)
-    dq_t = warpgroup_mma(gl.convert_layout(pg.to(dt), a_for_key), k_s, dqh * (eb_k * scale)[:, None],
-                         is_async=True)
-    _landed(1)
-    dvb = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
-                        is_async=True)
-    dq_t = warpgroup_mma_wait(num_outstanding=1, deps=(dq_t, k_s))[0]
-    gate = gl.convert_layout(_sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1), rows_of)
-    _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K)
-
-    # back through u = T diag(beta) v (dv) and v_new = u - w h (dw, in the input dtype as the
-    # Triton path keeps it between its passes)
+    _tiles_ready(ready, 1, phase, WS)
     dwa = warpgroup_mma(du_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    dvb = warpgroup_mma_wait(num_outstanding=1, deps=(dvb, t_s, du_s))[0]
+    dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp, do_s, vn_s))[0]
+    # Pg = scale dP . Gamma, for dq (Pg k) and dk (Pg^T q)
+    pg = dp * _gamma(b2, ri, cj, n_valid, True) * scale
+    _publish(pair_s, pg.to(dt))
+    dqh, dwa, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, dwa, do_s, h_s, du_s))
+    # dw in the input dtype, as the Triton path keeps it between its passes
+    _publish(dw_s, (-dwa).to(dt))
+    _tiles_ready(ready, 2, phase, WS)
+    dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
+                        is_async=True)
+    last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
+    dkl = warpgroup_mma_wait(num_outstanding=0, deps=(dkl, vn_s, dh_s))[0]
+    _tiles_free(free, 0, WS)
+    _tiles_free(free, 2, WS)
+
+    # dq = scale e^B (do h^T) + Pg k, finished before the next products (registers)
+    _tiles_ready(ready, 3, phase, WS)
+    dq_t = warpgroup_mma(gl.convert_layout(pg.to(dt), a_for_key), k_s, dqh * (eb_k * scale)[:, None],
+                         is_async=True)
+    dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, k_s))[0]
+    gate = gl.convert_layout(_sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1), rows_of)
+    _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K)
+    # dk's state and intra parts; the chunk-end terms of dB_last
+    dk_t = dkl * gl.convert_layout(exp2_ftz(b2_last - b2), key_rows)[:, None]
+    last_extra += _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
+    dk_t = warpgroup_mma(pair_s.permute((1, 0)), q_s, dk_t, is_async=True)
+    # dv = beta (T^T du)
+    dvb = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
+                        is_async=True)
+    dvb = warpgroup_mma_wait(num_outstanding=0, deps=(dvb, t_s, du_s))[0]
     dbeta_t = gl.convert_layout(_sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1), rows_of)
     _store_rows(dv, dvb * gl.convert_layout(b_beta, value_rows)[:, None], tok0, n_valid, HV, hv, V)
-    dwa = warpgroup_mma_wait(num_outstanding=0, deps=(dwa, du_s, h_s))[0]
-    _publish(dw_s, (-dwa).to(dt))
 
     # dT = du (v beta)^T + dw (k e^B beta)^T
     duv = warpgroup_mma(du_s, v_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
     dwk = warpgroup_mma(dw_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
-    duv, dwk, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(duv, dwk, du_s, v_s, dw_s, k_s))
+    dk_t, duv, dwk, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0,
+                                                       deps=(dk_t, duv, dwk, pair_s, q_s, du_s, v_s, dw_s))
+    _tiles_free(free, 1, WS)
+    gate -= gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
+    gate += gl.where(ri == n_valid - 1, last_extra, 0.0)
     d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :] + dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
     _publish(dt_s, d_tmat.to(dt))
 
-    # dk's state and intra parts; the chunk-end terms of dB_last
-    _landed(0)
-    dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
-                        is_async=True)
+    # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
     tdt = warpgroup_mma(t_s.permute((1, 0)), dt_s, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                         is_async=True)
-    last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
-    dkl = warpgroup_mma_wait(num_outstanding=1, deps=(dkl, vn_s, dh_s))[0]
-    dk_t = dkl * gl.convert_layout(exp2_ftz(b2_last - b2), key_rows)[:, None]
-    last_extra += _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
-    dk_t = warpgroup_mma(pair_s.permute((1, 0)), q_s, dk_t, is_async=True)
-    # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
+    kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                        is_async=True)
     tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, dt_s))[0]
     d_a = warpgroup_mma(gl.convert_layout(tdt.to(dt), a_for_pair), t_s.permute((1, 0)),
                         gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
-    kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                        is_async=True)
-    dk_t = warpgroup_mma_wait(num_outstanding=2, deps=(dk_t, pair_s, q_s))[0]
-    gate -= gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
-    gate += gl.where(ri == n_valid - 1, last_extra, 0.0)
     d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
     d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
     m = d_ag * kkt
@@ -270,8 +298,7 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     m = m * b_beta[:, None]
     gate += _sum(m, axis=1) - gl.convert_layout(_sum(m, axis=0), rows_of)
     x_dab = (d_ag * b_beta[:, None]).to(dt)
-    gl.thread_barrier()  # every warp's reads of Pg (pair_s) are done
-    _publish(pair_s, x_dab)
+    _publish(pair_s, x_dab)  # Pg's last reader (dk) was waited for above
 
     # dk's WY terms: e^B beta (T^T dw) + X k + X^T k, X = diag(beta) dAg
     dkb = warpgroup_mma(t_s.permute((1, 0)), dw_s, gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
@@ -284,6 +311,7 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     dbeta_t += kb_row
     gate += kb_row * b_beta
     dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, pair_s, k_s))[0]
+    _tiles_free(free, 3, WS)
     dk_t += dkb * (eb_k * gl.convert_layout(b_beta, key_rows))[:, None]
     _store_rows(dk, dk_t, tok0, n_valid, HV, hv, K)
     gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
@@ -292,11 +320,110 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
         gate_col = gl.convert_layout(gate, cols_of)
         d_gate = _sum(gl.where(cj[None, :] >= ri[:, None], gate_col[None, :], 0.0), axis=1)
         gl.store(dg + (tok0 + ri) * HV + hv, d_gate, mask=row_ok)
+    # with warp roles, every warp is past this item's reads of dw_s, dt_s and pair_s before the
+    # next item writes them
+    if WS:
+        gl.thread_barrier()
 
 
-def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: float):
+@gluon.jit
+def _allocate(dt: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """The item's tiles and the on-chip operands formed from them."""
+    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
+    value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, V], dt)
+    square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
+    state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, V], dt)
+    return (gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # do
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # v_new
+            gl.allocate_shared_memory(dt, [K, V], state_smem),  # h
+            gl.allocate_shared_memory(dt, [K, V], state_smem),  # dh
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # du = dv2
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # v
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # q
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # k
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem),  # T
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # dw
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem),  # Pg, then X
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem))  # dT
+
+
+@gluon.jit(do_not_specialize=["T"])
+def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
+                         dq, dk, dv, dbeta, dg, chunk_map, cu_seqlens, T, scale,
+                         HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                         HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """One program per (chunk slot, batch x value head), all warps computing; its loads are
+    cp.async groups."""
+    hv, tok0, n_valid, chunk = _chunk_of_item(gl.program_id(0), gl.program_id(1), chunk_map, cu_seqlens, T, HV,
+                                              IS_VARLEN)
+    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s = _allocate(q.dtype.element_ty, K, V)
+    _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, None, None,
+                 hv, hv // (HV // HQ), tok0, n_valid, chunk, 0, HQ, HV, K, V, gl.num_warps(), False)
+    _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, None, None, 0,
+                    HV, K, V, HAS_G, False)
+
+
+@gluon.jit
+def _compute_items(dq, dk, dv, dbeta, dg, g_cum, beta, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
+                   do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free,
+                   HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
+                   IS_VARLEN: gl.constexpr):
+    """The compute partition of the persistent kernel: this program's items in order."""
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    for item in range(first, num_items, step):
+        hv, tok0, n_valid, chunk = _chunk_of_item(item % num_slots, item // num_slots, chunk_map, cu_seqlens, T, HV,
+                                                  IS_VARLEN)
+        phase = ((item - first) // step) & 1
+        _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
+                        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free, phase,
+                        HV, K, V, HAS_G, True)
+
+
+@gluon.jit
+def _load_items(q, k, v, v_new, h, dh, do, dv2, ai, chunk_map, cu_seqlens, T, num_slots, num_items,
+                do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free,
+                HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The load partition: each item's groups as the compute partition frees their buffers."""
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    for item in range(first, num_items, step):
+        hv, tok0, n_valid, chunk = _chunk_of_item(item % num_slots, item // num_slots, chunk_map, cu_seqlens, T, HV,
+                                                  IS_VARLEN)
+        phase = ((item - first) // step) & 1
+        _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready,
+                     free, hv, hv // (HV // HQ), tok0, n_valid, chunk, phase, HQ, HV, K, V, 4, True)
+
+
+@gluon.jit(do_not_specialize=["T", "num_slots", "num_items"])
+def gdn_bwd_chunk_ws_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
+                            dq, dk, dv, dbeta, dg, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
+                            HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                            HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+    """Persistent, with warp roles: eight worker warps compute item after item (COMPUTE_REGS
+    registers each) while the kernel's own warpgroup, the loader, fills each load group's buffers for the next item as soon as the compute partition
+    is done with them (the state tiles early, q, k, T last). Barriers: ready[g] (the 128 load
+    threads' cp.async arrivals), free[g] (one arrival of the compute partition)."""
+    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s = _allocate(q.dtype.element_ty, K, V)
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(ready.index(i), count=32 * gl.num_warps())
+        mbarrier.init(free.index(i), count=1)
+    gl.warp_specialize([
+        (_load_items, (q, k, v, v_new, h, dh, do, dv2, ai, chunk_map, cu_seqlens, T, num_slots, num_items,
+                       do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free, HQ, HV, K, V, IS_VARLEN)),
+        (_compute_items, (dq, dk, dv, dbeta, dg, g_cum, beta, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
+                          do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free,
+                          HV, K, V, HAS_G, IS_VARLEN)),
+    ], [8], [COMPUTE_REGS])
+
+
+def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: float, form: str = "ws"):
     """-> (dq, dk, dv, dbeta fp32, dg fp32 or None): dq and dk per value head, in q's dtype where
-    the q/k heads are the value heads, else fp32 (for the caller's sum over each group)."""
+    the q/k heads are the value heads, else fp32 (for the caller's sum over each group). form
+    "ws": the persistent warp-role kernel; "one_shot": one program per chunk and value head."""
     B, T, HQ, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     direct = HQ == HV
@@ -307,7 +434,15 @@ def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: fl
     dbeta = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
     dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32) if g_cum is not None else None
     chunk_map, cu = (layout.chunk_map, layout.cu_seqlens) if layout.is_varlen else (None, None)
-    launch(gdn_bwd_chunk_kernel, (layout.num_slots, B * HV),
-           q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, dq, dk, dv, dbeta, dg, chunk_map, cu, T, scale,
-           HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen, num_warps=8)
+    consts = dict(HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
+    args = (q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, dq, dk, dv, dbeta, dg, chunk_map, cu, T, scale)
+    if form == "ws":
+        num_items = layout.num_slots * B * HV
+        programs = min(num_items, device_info(q.device).sm_count)
+        # the launch's 12 warps at 168 registers fill the register file; the compute partition
+        # then takes 232 from the load warpgroup's share
+        launch(gdn_bwd_chunk_ws_kernel, (programs, ), *args, layout.num_slots, num_items, **consts,
+               COMPUTE_REGS=232, num_warps=4, maxnreg=168)
+    else:
+        launch(gdn_bwd_chunk_kernel, (layout.num_slots, B * HV), *args, **consts, num_warps=8)
     return dq, dk, dv, dbeta, dg
