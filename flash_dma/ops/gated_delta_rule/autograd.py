@@ -130,11 +130,9 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
                                        forward_transition=None if segments is None else segments[1])
     del segments
     del k_gated, q_gated, dv_local
-    fused = plan.fused_backward_form()
-    if fused:
+    if plan.fused_backward_on():
         from .gluon.backward_chunk import bwd_chunk
-        dq, dk, dv, dbeta, dg = bwd_chunk(layout, q, k, v, v_new, h, dh, do.to(q.dtype), dv2, ai, g_cum, beta, scale,
-                                          fused)
+        dq, dk, dv, dbeta, dg = bwd_chunk(layout, q, k, v, v_new, h, dh, do.to(q.dtype), dv2, ai, g_cum, beta, scale)
         return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
     grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
     del h, dh, v_new

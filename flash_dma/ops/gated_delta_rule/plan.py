@@ -53,9 +53,8 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
-declare_choice("gdn_fused_backward", None, (False, "one_shot", "ws"),
-               "the backward's dqkw and WY passes as one Hopper kernel: 'ws' persistent with warp roles, "
-               "'one_shot' one program per chunk (False: the Triton passes; default: launch_table's rule)")
+declare_choice("gdn_fused_backward", None, (True, False),
+               "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -81,7 +80,7 @@ class DeltaRulePlan:
     forward_join: Callable | None = None
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
-    fused_backward: Chosen = Chosen(False, "table")  # "ws", "one_shot" (gluon/backward_chunk.py) or False
+    fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -92,13 +91,13 @@ class DeltaRulePlan:
                    self.fused_forward.source)
         return form
 
-    def fused_backward_form(self) -> str | None:
-        """The form of the Gluon kernel that runs the backward's dqkw and WY passes ("ws",
-        "one_shot"), or None (the Triton passes); logged like a launch."""
-        form = self.fused_backward.value or None
-        log_choice(OP, "fused_backward", "gluon" if form else self.backend, self.info, self.shape,
-                   form or "off", self.fused_backward.source)
-        return form
+    def fused_backward_on(self) -> bool:
+        """Whether the backward's dqkw and WY passes run as the one Gluon kernel; logged like a
+        launch."""
+        on = bool(self.fused_backward.value)
+        log_choice(OP, "fused_backward", "gluon" if on else self.backend, self.info, self.shape,
+                   "one_kernel warps=8" if on else "off", self.fused_backward.source)
+        return on
 
     def launch(self, pass_name: str) -> GdnConfig:
         chosen = self.launches[pass_name]
@@ -285,7 +284,7 @@ def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) ->
     chosen = choice("gdn_fused_backward")
     fits = launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
     if chosen.value is None:
-        return Chosen(False, "rule")  # not yet measured on a GPU: off unless forced
+        return Chosen(fits, "rule")
     if chosen.value and not fits:
         raise ValueError(
             f"gdn_fused_backward={chosen.value!r}: the fused backward needs an SM90 GPU, no gk, K and V 64 or 128 and 16-bit "

@@ -36,32 +36,30 @@ def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused backward runs on SM90 GPUs")
-@pytest.mark.parametrize("form, forward, split", [("ws", 0, None), ("ws", "ws", None), ("ws", 128, 3), ("ws", 0, 1),
-                                                 ("one_shot", 0, None), ("one_shot", "ws", 1)])
+@pytest.mark.parametrize("forward, split", [(0, None), ("ws", None), (128, 3), (0, 1)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpu_fused_backward(name, form, forward, split):
+def test_gpu_fused_backward(name, forward, split):
     B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
     if forward == 128 and V % 128:
         pytest.skip("V is not a multiple of the one-role forward's tile")
     torch.manual_seed(0)
     inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
     kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
-    chosen = {"gdn_fused_backward": form, "gdn_fused_forward": forward}
+    chosen = {"gdn_fused_backward": True, "gdn_fused_forward": forward}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
     with overrides(**chosen):
         layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
         plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.fused_backward_form() == form and plan.segment_chunks() == split
+        assert plan.fused_backward_on() and plan.segment_chunks() == split
         _poison_allocator(B * T * HV * max(K, V), dtype)
         check_against_reference(inputs, dtype, **kwargs)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused backward runs on SM90 GPUs")
-@pytest.mark.parametrize("form", ["ws", "one_shot"])
 @pytest.mark.parametrize("name", ["g-h0-K128", "no-gate-gqa-K64", "varlen-empty-single"])
-def test_gpu_fused_backward_matches_triton_passes(name, form):
+def test_gpu_fused_backward_matches_triton_passes(name):
     """The fused kernel and the Triton passes it replaces give the same gradients (both against
     each other, tighter than either against fp64 would show)."""
     B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
@@ -69,11 +67,11 @@ def test_gpu_fused_backward_matches_triton_passes(name, form):
     inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
     kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     grads = {}
-    for fused in (form, False):
+    for fused in (True, False):
         torch.manual_seed(2)  # the same output cotangents for both
         with overrides(gdn_fused_backward=fused):
             _, grads[fused] = check_against_reference(inputs, dtype, **kwargs)
-    for leaf, got in grads[form].items():
+    for leaf, got in grads[True].items():
         want = grads[False][leaf].double()
         err = float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
         assert err < 1e-2, f"d{leaf}: relative error {err:.2e} between the fused kernel and the Triton passes"
@@ -88,7 +86,7 @@ def test_fused_backward_rule():
     layout = chunk_layout(1, 128, None)
     if not ON_SM90:
         assert plan_call(q, q, True, False, layout).fused_backward.value is False
-        with overrides(gdn_fused_backward="ws"), pytest.raises(ValueError, match="gdn_fused_backward='ws'"):
+        with overrides(gdn_fused_backward=True), pytest.raises(ValueError, match="gdn_fused_backward=True"):
             plan_call(q, q, True, False, layout)
     with overrides(gdn_fused_backward=False):
         assert plan_call(q, q, True, False, layout).fused_backward.value is False
@@ -105,17 +103,16 @@ def test_gpu_fused_backward_rule():
     assert not fits(256, 128, torch.bfloat16, False, dev) and not fits(128, 192, torch.bfloat16, False, dev)
 
 
-@pytest.mark.parametrize("form, K, V, has_g, varlen, gqa", [
-    ("ws", 128, 128, True, False, False), ("ws", 64, 128, False, True, True), ("ws", 128, 64, True, True, False),
-    ("one_shot", 128, 128, True, False, False), ("one_shot", 64, 64, True, False, True)])
-def test_fused_backward_compiles_for_sm90(form, K, V, has_g, varlen, gqa):
+@pytest.mark.parametrize("K, V, has_g, varlen, gqa", [(128, 128, True, False, False), (64, 128, False, True, True),
+                                                      (128, 64, True, True, False), (64, 64, True, False, True)])
+def test_fused_backward_compiles_for_sm90(K, V, has_g, varlen, gqa):
     """The kernel compiles for sm_90a without a GPU (Triton's compiler and bundled ptxas), within
     shared memory: CI catches a kernel that no longer builds."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from flash_dma.ops.gated_delta_rule.gluon.backward_chunk import gdn_bwd_chunk_kernel, gdn_bwd_chunk_ws_kernel
+    from flash_dma.ops.gated_delta_rule.gluon.backward_chunk import gdn_bwd_chunk_kernel
 
     names = ["q", "k", "v", "v_new", "h", "dh", "do", "dv2", "ai", "g_cum", "beta", "dq", "dk", "dv", "dbeta",
              "dg", "chunk_map", "cu_seqlens"]
@@ -124,17 +121,10 @@ def test_fused_backward_compiles_for_sm90(form, K, V, has_g, varlen, gqa):
     if gqa:
         pointers.update(dq="*fp32", dk="*fp32")
     constants = {"HQ": 2 if gqa else 4, "HV": 4, "K": K, "V": V, "HAS_G": has_g, "IS_VARLEN": varlen}
-    scalars = {"T": "i32", "scale": "fp32"}
-    if form == "ws":  # as bwd_chunk launches it
-        kernel, options = gdn_bwd_chunk_ws_kernel, {"num_warps": 4, "maxnreg": 168}
-        scalars.update(num_slots="i32", num_items="i32")
-        constants["COMPUTE_REGS"] = 232
-    else:
-        kernel, options = gdn_bwd_chunk_kernel, {"num_warps": 8}
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+    signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
     order = list(signature)
     aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
-    source = GluonASTSource(kernel, signature, constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    source = GluonASTSource(gdn_bwd_chunk_kernel, signature, constants, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert compiled.asm["cubin"], "no cubin"
     assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"

@@ -16,17 +16,16 @@ inverse, B the gate cumsum, Gamma_ij = e^(B_i - B_j) on j <= i:
 Every product is a warpgroup MMA; each wait names the shared-memory operands of the products it
 waits for, which keeps them allocated until then (in straight-line code the compiler otherwise
 ends a buffer's life at its last product's issue and may hand its memory to a layout
-conversion's scratch while the product still reads it). The state tiles' products come first,
-so that in the persistent warp-role form (gdn_bwd_chunk_ws_kernel) their buffers go back to the
-load warpgroup early and the next item's state tiles load while this item's WY part runs.
+conversion's scratch while the product still reads it). The loads are cp.async groups in the
+order of use: the state tiles' products start while q, k and T arrive. Row sums are few and
+late (each crosses the two warpgroups through shared memory).
 """
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ....runtime.hardware import device_info
 from ....runtime.launch import launch
 from .common import CHUNK, LOG2E, exp2_ftz
 
@@ -117,11 +116,11 @@ def _sum(x, axis: gl.constexpr):
 def _state_dot(h_s, dh_s, K: gl.constexpr, V: gl.constexpr):
     """sum(h . dh) of two [K, V] states in shared memory, 16 rows at a time (few registers)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [gl.num_warps(), 1], [1, 0])
-    total = gl.zeros([V], gl.float32, gl.SliceLayout(0, layout))
+    total = gl.zeros([16, V], gl.float32, layout)
     for r in gl.static_range(0, K, 16):
-        part = h_s.slice(r, 16).load(layout).to(gl.float32) * dh_s.slice(r, 16).load(layout).to(gl.float32)
-        total += _sum(part, axis=0)
-    return _sum(total, axis=0)
+        total += h_s.slice(r, 16).load(layout).to(gl.float32) * dh_s.slice(r, 16).load(layout).to(gl.float32)
+    # one reduction at the end: each one crosses warps through shared memory
+    return _sum(_sum(total, axis=1), axis=0)
 
 
 @gluon.jit
@@ -137,64 +136,37 @@ def _gamma(b2, ri, cj, n_valid, INCLUSIVE: gl.constexpr):
 
 
 @gluon.jit
-def _tiles_ready(ready, group: gl.constexpr, phase, WS: gl.constexpr):
-    """Wait for the item's load group (0: do, v_new, h; 1: dv2, v; 2: dh; 3: q, k, T): on its
-    mbarrier with warp roles, else on cp.async groups (issued in that order)."""
-    if WS:
-        mbarrier.wait(ready.index(group), phase)
-    else:
-        _landed(3 - group)
+def _tiles_ready(group: gl.constexpr):
+    """Wait for the chunk's load group (0: do, v_new, h; 1: dv2, v; 2: dh; 3: q, k, T; cp.async
+    groups issued in that order)."""
+    _landed(3 - group)
 
 
 @gluon.jit
-def _tiles_free(free, group: gl.constexpr, WS: gl.constexpr):
-    """With warp roles, hand a load group's buffers back to the loader (every warp done reading)."""
-    if WS:
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(group))
-
-
-@gluon.jit
-def _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free,
-                 hv, head, tok0, n_valid, chunk, phase, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
-                 V: gl.constexpr, NW: gl.constexpr, WS: gl.constexpr):
-    """One item's tiles in four load groups in the order the math uses them; with warp roles each
-    group waits for its buffers to be free and its copies arrive on the group's mbarrier, else
-    each group is a cp.async commit group."""
+def _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s,
+                 hv, head, tok0, n_valid, chunk, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                 V: gl.constexpr, NW: gl.constexpr):
+    """The chunk's tiles as four cp.async commit groups in the order the math uses them."""
     state_index = chunk * HV + hv
-    if WS:
-        mbarrier.wait(free.index(0), phase ^ 1)
     _copy_rows(do_s, do, tok0, n_valid, HV, hv, V, NW)
     _copy_rows(vn_s, v_new, tok0, n_valid, HV, hv, V, NW)
     _copy_state(h_s, h, state_index, K, V, NW)
-    _group_issued(ready, 0, free, 1, phase, WS)
+    async_copy.commit_group()
     _copy_rows(du_s, dv2, tok0, n_valid, HV, hv, V, NW)
     _copy_rows(v_s, v, tok0, n_valid, HV, hv, V, NW)
-    _group_issued(ready, 1, free, 2, phase, WS)
+    async_copy.commit_group()
     _copy_state(dh_s, dh, state_index, K, V, NW)
-    _group_issued(ready, 2, free, 3, phase, WS)
+    async_copy.commit_group()
     _copy_rows(q_s, q, tok0, n_valid, HQ, head, K, NW)
     _copy_rows(k_s, k, tok0, n_valid, HQ, head, K, NW)
     _copy_rows(t_s, ai, tok0, n_valid, HV, hv, CHUNK, NW)
-    _group_issued(ready, 3, free, 4, phase, WS)
-
-
-@gluon.jit
-def _group_issued(ready, group: gl.constexpr, free, next_group: gl.constexpr, phase, WS: gl.constexpr):
-    """Close a load group: with warp roles, each thread's copies arrive on the group's mbarrier
-    as they land, then wait until the next group's buffers are free; else commit the group."""
-    if WS:
-        async_copy.mbarrier_arrive(ready.index(group), increment_count=False)
-        if next_group < 4:
-            mbarrier.wait(free.index(next_group), phase ^ 1)
-    else:
-        async_copy.commit_group()
+    async_copy.commit_group()
 
 
 @gluon.jit
 def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free, phase,
-                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, WS: gl.constexpr):
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s,
+                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr):
     """One chunk's gradients from its tiles in shared memory (the module docstring's math)."""
     dt: gl.constexpr = q_s.dtype
     # WG warpgroups split every product's columns
@@ -228,13 +200,13 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     eb_k = gl.convert_layout(eb, key_rows)
 
     # the products of the state tiles first (do h^T, du h^T, vn dh^T, dP = do vn^T), so that
-    # their buffers go back to the loader early; few accumulators live at once (registers)
-    _tiles_ready(ready, 0, phase, WS)
+    # few accumulators live at once (registers)
+    _tiles_ready(0)
     dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                        is_async=True)
     dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    _tiles_ready(ready, 1, phase, WS)
+    _tiles_ready(1)
     dwa = warpgroup_mma(du_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp, do_s, vn_s))[0]
@@ -244,16 +216,14 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     dqh, dwa, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, dwa, do_s, h_s, du_s))
     # dw in the input dtype, as the Triton path keeps it between its passes
     _publish(dw_s, (-dwa).to(dt))
-    _tiles_ready(ready, 2, phase, WS)
+    _tiles_ready(2)
     dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
     last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
     dkl = warpgroup_mma_wait(num_outstanding=0, deps=(dkl, vn_s, dh_s))[0]
-    _tiles_free(free, 0, WS)
-    _tiles_free(free, 2, WS)
 
     # dq = scale e^B (do h^T) + Pg k, finished before the next products (registers)
-    _tiles_ready(ready, 3, phase, WS)
+    _tiles_ready(3)
     dq_t = warpgroup_mma(gl.convert_layout(pg.to(dt), a_for_key), k_s, dqh * (eb_k * scale)[:, None],
                          is_async=True)
     dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, k_s))[0]
@@ -277,7 +247,6 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
                         is_async=True)
     dk_t, duv, dwk, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0,
                                                        deps=(dk_t, duv, dwk, pair_s, q_s, du_s, v_s, dw_s))
-    _tiles_free(free, 1, WS)
     gate -= gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
     gate += gl.where(ri == n_valid - 1, last_extra, 0.0)
     d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :] + dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
@@ -294,9 +263,10 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
     d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
     m = d_ag * kkt
-    dbeta_t += _sum(m, axis=1)
-    m = m * b_beta[:, None]
-    gate += _sum(m, axis=1) - gl.convert_layout(_sum(m, axis=0), rows_of)
+    m_rows = _sum(m, axis=1)
+    dbeta_t += m_rows
+    # rows and columns of m . beta (beta scales rows)
+    gate += m_rows * b_beta - gl.convert_layout(_sum(m * b_beta[:, None], axis=0), rows_of)
     x_dab = (d_ag * b_beta[:, None]).to(dt)
     _publish(pair_s, x_dab)  # Pg's last reader (dk) was waited for above
 
@@ -311,7 +281,6 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     dbeta_t += kb_row
     gate += kb_row * b_beta
     dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, pair_s, k_s))[0]
-    _tiles_free(free, 3, WS)
     dk_t += dkb * (eb_k * gl.convert_layout(b_beta, key_rows))[:, None]
     _store_rows(dk, dk_t, tok0, n_valid, HV, hv, K)
     gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
@@ -320,10 +289,6 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
         gate_col = gl.convert_layout(gate, cols_of)
         d_gate = _sum(gl.where(cj[None, :] >= ri[:, None], gate_col[None, :], 0.0), axis=1)
         gl.store(dg + (tok0 + ri) * HV + hv, d_gate, mask=row_ok)
-    # with warp roles, every warp is past this item's reads of dw_s, dt_s and pair_s before the
-    # next item writes them
-    if WS:
-        gl.thread_barrier()
 
 
 @gluon.jit
@@ -352,78 +317,19 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
                          dq, dk, dv, dbeta, dg, chunk_map, cu_seqlens, T, scale,
                          HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                          HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """One program per (chunk slot, batch x value head), all warps computing; its loads are
-    cp.async groups."""
+    """One program per (chunk slot, batch x value head)."""
     hv, tok0, n_valid, chunk = _chunk_of_item(gl.program_id(0), gl.program_id(1), chunk_map, cu_seqlens, T, HV,
                                               IS_VARLEN)
     do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s = _allocate(q.dtype.element_ty, K, V)
-    _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, None, None,
-                 hv, hv // (HV // HQ), tok0, n_valid, chunk, 0, HQ, HV, K, V, gl.num_warps(), False)
+    _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s,
+                 hv, hv // (HV // HQ), tok0, n_valid, chunk, HQ, HV, K, V, gl.num_warps())
     _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, None, None, 0,
-                    HV, K, V, HAS_G, False)
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, HV, K, V, HAS_G)
 
 
-@gluon.jit
-def _compute_items(dq, dk, dv, dbeta, dg, g_cum, beta, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
-                   do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free,
-                   HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
-                   IS_VARLEN: gl.constexpr):
-    """The compute partition of the persistent kernel: this program's items in order."""
-    first = gl.program_id(0)
-    step = gl.num_programs(0)
-    for item in range(first, num_items, step):
-        hv, tok0, n_valid, chunk = _chunk_of_item(item % num_slots, item // num_slots, chunk_map, cu_seqlens, T, HV,
-                                                  IS_VARLEN)
-        phase = ((item - first) // step) & 1
-        _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free, phase,
-                        HV, K, V, HAS_G, True)
-
-
-@gluon.jit
-def _load_items(q, k, v, v_new, h, dh, do, dv2, ai, chunk_map, cu_seqlens, T, num_slots, num_items,
-                do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free,
-                HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The load partition: each item's groups as the compute partition frees their buffers."""
-    first = gl.program_id(0)
-    step = gl.num_programs(0)
-    for item in range(first, num_items, step):
-        hv, tok0, n_valid, chunk = _chunk_of_item(item % num_slots, item // num_slots, chunk_map, cu_seqlens, T, HV,
-                                                  IS_VARLEN)
-        phase = ((item - first) // step) & 1
-        _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready,
-                     free, hv, hv // (HV // HQ), tok0, n_valid, chunk, phase, HQ, HV, K, V, 4, True)
-
-
-@gluon.jit(do_not_specialize=["T", "num_slots", "num_items"])
-def gdn_bwd_chunk_ws_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
-                            dq, dk, dv, dbeta, dg, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
-                            HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-                            HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr, COMPUTE_REGS: gl.constexpr):
-    """Persistent, with warp roles: eight worker warps compute item after item (COMPUTE_REGS
-    registers each) while the kernel's own warpgroup, the loader, fills each load group's buffers for the next item as soon as the compute partition
-    is done with them (the state tiles early, q, k, T last). Barriers: ready[g] (the 128 load
-    threads' cp.async arrivals), free[g] (one arrival of the compute partition)."""
-    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s = _allocate(q.dtype.element_ty, K, V)
-    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
-        mbarrier.init(ready.index(i), count=32 * gl.num_warps())
-        mbarrier.init(free.index(i), count=1)
-    gl.warp_specialize([
-        (_load_items, (q, k, v, v_new, h, dh, do, dv2, ai, chunk_map, cu_seqlens, T, num_slots, num_items,
-                       do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, ready, free, HQ, HV, K, V, IS_VARLEN)),
-        (_compute_items, (dq, dk, dv, dbeta, dg, g_cum, beta, chunk_map, cu_seqlens, T, scale, num_slots, num_items,
-                          do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, ready, free,
-                          HV, K, V, HAS_G, IS_VARLEN)),
-    ], [8], [COMPUTE_REGS])
-
-
-def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: float, form: str = "ws"):
+def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: float):
     """-> (dq, dk, dv, dbeta fp32, dg fp32 or None): dq and dk per value head, in q's dtype where
-    the q/k heads are the value heads, else fp32 (for the caller's sum over each group). form
-    "ws": the persistent warp-role kernel; "one_shot": one program per chunk and value head."""
+    the q/k heads are the value heads, else fp32 (for the caller's sum over each group)."""
     B, T, HQ, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     direct = HQ == HV
@@ -434,15 +340,7 @@ def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: fl
     dbeta = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
     dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32) if g_cum is not None else None
     chunk_map, cu = (layout.chunk_map, layout.cu_seqlens) if layout.is_varlen else (None, None)
-    consts = dict(HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
-    args = (q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, dq, dk, dv, dbeta, dg, chunk_map, cu, T, scale)
-    if form == "ws":
-        num_items = layout.num_slots * B * HV
-        programs = min(num_items, device_info(q.device).sm_count)
-        # the launch's 12 warps at 168 registers fill the register file; the compute partition
-        # then takes 232 from the load warpgroup's share
-        launch(gdn_bwd_chunk_ws_kernel, (programs, ), *args, layout.num_slots, num_items, **consts,
-               COMPUTE_REGS=232, num_warps=4, maxnreg=168)
-    else:
-        launch(gdn_bwd_chunk_kernel, (layout.num_slots, B * HV), *args, **consts, num_warps=8)
+    launch(gdn_bwd_chunk_kernel, (layout.num_slots, B * HV),
+           q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, dq, dk, dv, dbeta, dg, chunk_map, cu, T, scale,
+           HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen, num_warps=8)
     return dq, dk, dv, dbeta, dg
