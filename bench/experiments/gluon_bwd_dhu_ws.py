@@ -1,6 +1,7 @@
-"""Experiment, not yet run on a GPU (written 2026-11-26, seventh session; compiled for sm_90a on
-the CPU only): bwd_dhu with warp roles, the forward's warp-role skeleton (gluon/forward_ws.py)
-turned around. Not part of the package; bench/experiments/gluon_bwd_dhu_ws_check.py compares it
+"""Experiment (2026-11-26): bwd_dhu with warp roles, the forward's warp-role skeleton
+(gluon/forward_ws.py) turned around. First GPU run (H100): correct in modes A-C, fixed and
+varlen; 0.45x the Triton kernel on long single sequences (fewer, wider V tiles), 0.96-1.00x at
+full-GPU shapes (docs/perf/gated_delta_rule.md), so not wired. Not part of the package; bench/experiments/gluon_bwd_dhu_ws_check.py compares it
 with the Triton kernel and times both.
 
 The state gradient is carried transposed, D^T [BV, K], as the chain warpgroup's MMA accumulator;
