@@ -1,11 +1,14 @@
-"""The fused Hopper chunk backward of the gated delta rule (gluon/backward_chunk.py, replacing the
-Triton bwd_dqkw and bwd_wy passes) beside those passes, at the issue's shapes: do_bench medians of
-the public op's backward and forward + backward with the fusion forced on and off (same run, same
-inputs), the kernel times of the replaced passes from one profiled step, and the gradients' error
-between the two paths. The backward column is the one to read: forward + backward builds a plan
-on every call while overrides are active (host time).
+"""Backward variants of the gated delta rule side by side at the issue's shapes (same run, same
+inputs): the fused Hopper chunk backward (gluon/backward_chunk.py, replacing the Triton bwd_dqkw
+and bwd_wy passes) against those passes, and bwd_dhu forming the intra-chunk dv itself
+(gdn_dhu_local_dv). Per variant: do_bench medians of the public op's backward and forward +
+backward, the kernel time of the passes that differ from one profiled step, and the gradients'
+error against the first variant. The backward column is the one to read: forward + backward
+builds a plan on every call while overrides are active (host time).
 
-    python bench/gdn_fused_backward.py [--shapes 4x4096x16,1x8192x16] [--out DIR]
+    python bench/gdn_fused_backward.py [--shapes 4x4096x16,1x8192x16] [--variants VARIANTS] [--out DIR]
+
+VARIANTS: name:choice=value,...;name:... (default: triton, fused, fused with bwd_dhu's own dv).
 
 bf16, K = V = 128, scalar gate g, initial and final state; the fused forward as the plan picks it.
 """
@@ -24,7 +27,23 @@ from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
 SHAPES = ((4, 4096, 16), (1, 8192, 16), (1, 32768, 16), (8, 4096, 32))
-REPLACED = ("gdn_bwd_dqkw_kernel", "gdn_bwd_wy_kernel", "gdn_bwd_chunk_kernel")
+REPLACED = ("gdn_bwd_dqkw_kernel", "gdn_bwd_wy_kernel", "gdn_bwd_chunk_kernel", "gdn_bwd_dhu_kernel",
+            "gdn_intra_kernel")
+VARIANTS = ("triton:gdn_fused_backward=0,gdn_dhu_local_dv=0;fused:gdn_fused_backward=1,gdn_dhu_local_dv=0;"
+            "fused+dhu_dv:gdn_fused_backward=1,gdn_dhu_local_dv=1")
+
+
+def parse_variants(text):
+    """'name:a=1,b=0;...' -> [(name, {a: True, b: False})] (0/1 as booleans, else int)."""
+    out = []
+    for part in text.split(";"):
+        name, _, body = part.partition(":")
+        chosen = {}
+        for item in filter(None, body.split(",")):
+            key, value = item.split("=")
+            chosen[key] = bool(int(value)) if value in ("0", "1") else int(value)
+        out.append((name, chosen))
+    return out
 
 
 def make(B, T, H, K=128, V=128):
@@ -71,34 +90,37 @@ def kernel_us(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     env = environment()
-    forms = (False, True)
+    variants = parse_variants(args.variants)
     lines = [f"# gdn fused chunk backward | {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, h0 and final state",
-             "| shape | form | bwd ms | fwd+bwd ms | replaced kernels us | bwd speedup | max rel diff of grads vs Triton |",
+             "| shape | variant | bwd ms | fwd+bwd ms | dqkw, wy, chunk, dhu, intra kernels us | bwd speedup | "
+             "max rel diff of grads vs the first |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     print(lines[0], flush=True)
     for shape in args.shapes.split(","):
         B, T, H = (int(p) for p in shape.split("x"))
         x, do, dht = make(B, T, H)
         row, got = {}, {}
-        for form in forms:
-            with overrides(gdn_fused_backward=form):
-                got[form] = grads(x, do, dht)
+        for name, chosen in variants:
+            with overrides(**chosen):
+                got[name] = grads(x, do, dht)
                 outs, douts = run(x, do, dht)
-                row[form, "bwd"] = time_ms(lambda: torch.autograd.grad(outs, list(x.values()), douts,
+                row[name, "bwd"] = time_ms(lambda: torch.autograd.grad(outs, list(x.values()), douts,
                                                                        retain_graph=True))
-                row[form, "step"] = time_ms(lambda: grads(x, do, dht))
+                row[name, "step"] = time_ms(lambda: grads(x, do, dht))
                 us = kernel_us(lambda: grads(x, do, dht))
-                row[form, "kernels"] = sum(v for k, v in us.items() if any(k.startswith(n) for n in REPLACED))
-        for form in forms:
+                row[name, "kernels"] = sum(v for k, v in us.items() if any(k.startswith(n) for n in REPLACED))
+        base = variants[0][0]
+        for name, _ in variants:
             diff = max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-                       for a, b in zip(got[form], got[False]))
-            bad = any(not torch.isfinite(t).all() for t in got[form])
-            lines.append(f"| B{B} T{T} H{H} | {'fused' if form else 'Triton passes'} | {row[form, 'bwd']:.3f} | {row[form, 'step']:.3f} | "
-                         f"{row[form, 'kernels']:.0f} | {row[False, 'bwd'] / row[form, 'bwd']:.2f}x | "
+                       for a, b in zip(got[name], got[base]))
+            bad = any(not torch.isfinite(t).all() for t in got[name])
+            lines.append(f"| B{B} T{T} H{H} | {name} | {row[name, 'bwd']:.3f} | {row[name, 'step']:.3f} | "
+                         f"{row[name, 'kernels']:.0f} | {row[base, 'bwd'] / row[name, 'bwd']:.2f}x | "
                          f"{diff:.1e}{' NaN/inf' if bad else ''} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines)

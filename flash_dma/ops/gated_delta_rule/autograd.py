@@ -124,10 +124,12 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     # u None: the state pass forms v_new from T (w is still bwd_dhu's)
     h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
                                                   g_cum, gk_cum, initial_state, store_final=False, known=segments)
-    dv_local = ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
+    fold_dv = plan.dhu_local_dv_on()
+    dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
     dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
                                        dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
-                                       forward_transition=None if segments is None else segments[1])
+                                       forward_transition=None if segments is None else segments[1],
+                                       local_dv_dtype=v.dtype if fold_dv else None)
     del segments
     del k_gated, q_gated, dv_local
     if plan.fused_backward_on():

@@ -227,3 +227,17 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
     inputs."""
     return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
             and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))
+
+
+# bwd_dhu forming the intra-chunk dv itself (P^T do, one q k^T product more per chunk and V
+# tile) instead of the local_dv pass writing it: to be decided from bench/gdn_fused_backward.py;
+# a first guess, where bwd_dhu's programs fill the card twice over (its chains are then not the
+# time, its throughput is).
+DHU_LOCAL_DV_MIN_PROGRAMS_PER_SM = 2.0
+
+
+def dhu_local_dv(programs: int, device: torch.device) -> bool:
+    """Whether bwd_dhu forms the intra-chunk dv itself, from its (chain, V tile) programs."""
+    if device.type != "cuda" or interpreter_active():
+        return False
+    return programs >= DHU_LOCAL_DV_MIN_PROGRAMS_PER_SM * device_info(device).sm_count

@@ -16,7 +16,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              pass and output kernels;
   gdn_fused_backward         the backward's chunk-parallel passes (dq, dk, dw, then back through
                              the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
-                             the Triton bwd_dqkw and bwd_wy passes.
+                             the Triton bwd_dqkw and bwd_wy passes;
+  gdn_dhu_local_dv           bwd_dhu forms the intra-chunk dv (P^T do) itself instead of reading
+                             it from the local_dv pass (scalar gate or none).
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -55,6 +57,8 @@ declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
 declare_choice("gdn_fused_backward", None, (True, False),
                "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
+declare_choice("gdn_dhu_local_dv", None, (True, False),
+               "bwd_dhu forms the intra-chunk dv itself, no local_dv pass (default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -81,6 +85,7 @@ class DeltaRulePlan:
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
+    dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -97,6 +102,14 @@ class DeltaRulePlan:
         on = bool(self.fused_backward.value)
         log_choice(OP, "fused_backward", "gluon" if on else self.backend, self.info, self.shape,
                    "one_kernel warps=8" if on else "off", self.fused_backward.source)
+        return on
+
+    def dhu_local_dv_on(self) -> bool:
+        """Whether bwd_dhu forms the intra-chunk dv itself (no local_dv pass); logged like a
+        launch."""
+        on = bool(self.dhu_local_dv.value)
+        log_choice(OP, "bwd_dhu.local_dv", self.backend, self.info, self.shape, "folded" if on else "own_pass",
+                   self.dhu_local_dv.source)
         return on
 
     def launch(self, pass_name: str) -> GdnConfig:
@@ -259,7 +272,8 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
-                         fused_backward=_fused_backward(K, V, dtype, has_gk, device))
+                         fused_backward=_fused_backward(K, V, dtype, has_gk, device),
+                         dhu_local_dv=_dhu_local_dv(V, dhu_chains, launches["bwd_dhu"].value, has_gk, device))
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
@@ -289,6 +303,20 @@ def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) ->
         raise ValueError(
             f"gdn_fused_backward={chosen.value!r}: the fused backward needs an SM90 GPU, no gk, K and V 64 or 128 and 16-bit "
             f"inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
+    return chosen
+
+
+def _dhu_local_dv(V: int, chains: int, dhu_config: GdnConfig, has_gk: bool, device) -> Chosen:
+    """Whether bwd_dhu forms the intra-chunk dv itself: launch_table's rule, or the override; not
+    with gk (its intra-chunk products are the pair pass's)."""
+    chosen = choice("gdn_dhu_local_dv")
+    if has_gk:
+        if chosen.value:
+            raise ValueError("gdn_dhu_local_dv=True: bwd_dhu forms the intra-chunk dv only without gk")
+        return Chosen(False, "rule")
+    if chosen.value is None:
+        programs = chains * -(-V // dhu_config.block_v)
+        return Chosen(launch_table.dhu_local_dv(programs, device), "rule")
     return chosen
 
 
@@ -344,7 +372,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_backward"):
+                 "dhu_chunks_per_segment", "fused_forward", "fused_backward", "dhu_local_dv"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

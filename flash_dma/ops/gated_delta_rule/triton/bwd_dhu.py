@@ -22,7 +22,7 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
                        STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                        STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
-                       DHT_IDENTITY: tl.constexpr = False):
+                       DHT_IDENTITY: tl.constexpr = False, LOCAL_DV: tl.constexpr = False):
     """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
     the state at the end of the chunk:
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
@@ -31,7 +31,9 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     passes those of gdn_chunk_cumsum_kernel). BK covers all of K.
     Segments (segments.py) run it with STORE_STATES off (the gradient at the segment's start
     only, into dh0), and for their transition with DHT_IDENTITY (the state starts as the
-    identity; V is then K) and CONSTANT_TERMS off (do and dv taken as zero and not read)."""
+    identity; V is then K) and CONSTANT_TERMS off (do and dv taken as zero and not read).
+    LOCAL_DV (scalar gate or none): dv is not read but formed here, dv = P^T do with
+    P = scale (q k^T . e^(g_i - g_j)) on j <= i (the op's local_dv pass folded in)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
@@ -48,7 +50,8 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     # stalled the first MMA of the chunk).
     last = tl.maximum(num_chunks - 1, 0)  # a length-0 sequence loads nothing
     n_last = tl.minimum(seq_len - last * CHUNK, CHUNK).to(tl.int32)
-    if CONSTANT_TERMS:
+    READ_DV: tl.constexpr = CONSTANT_TERMS and not LOCAL_DV
+    if READ_DV:
         dv_next = load_tile(dv, bos + last * CHUNK, rows, HV, hv, V, vcols, n_last)
     if HAS_GK:
         c_last_next = load_last_row(gk_cum, tl.maximum(bos + last * CHUNK + n_last - 1, 0), HV, hv, K, krows)
@@ -58,7 +61,7 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
         c_ahead = tl.maximum(c - 1, 0)
         n_ahead = tl.minimum(seq_len - c_ahead * CHUNK, CHUNK).to(tl.int32)
-        if CONSTANT_TERMS:
+        if READ_DV:
             dvt = dv_next
             dv_next = load_tile(dv, bos + c_ahead * CHUNK, rows, HV, hv, V, vcols, n_ahead)
         if HAS_GK:
@@ -74,6 +77,16 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         if CONSTANT_TERMS:
             dot_t = load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
         kd = tl.dot(kt, state.to(dt))
+        if LOCAL_DV:
+            # P^T [j, i] = scale k_j . q_i e^(g_i - g_j) on i >= j (valid i), exponents only there
+            keep = (rows[None, :] >= rows[:, None]) & (rows[None, :] < n_valid)
+            if HAS_G:
+                g_rows = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
+                gamma = tl.exp(tl.where(keep, g_rows[None, :] - g_rows[:, None], float("-inf")))
+            else:
+                gamma = tl.where(keep, 1.0, 0.0)
+            pt = tl.dot(kt, tl.trans(qt)) * gamma * scale
+            dvt = tl.dot(pt.to(dt), dot_t.to(dt))
         if HAS_G:
             # (q e^g)^T do = q^T (e^g do): the gate goes on do's rows, q stays a plain load
             bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
@@ -110,8 +123,10 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
 # Launcher
 # ------------------------------------------------------------------------------------------------
 def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float,
-            forward_transition: torch.Tensor | None = None):
+            forward_transition: torch.Tensor | None = None, local_dv_dtype: torch.dtype | None = None):
     """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv).
+    dv None with local_dv_dtype (scalar gate or none): the intra-chunk dv = P^T do is formed
+    inside (LOCAL_DV), and dv2 comes in that dtype.
     With the plan's chunks_per_segment, segments run side by side as in the forward's state pass,
     joined right to left (segments.py). forward_transition: the forward state pass's segment
     transitions M over the same cut, where known: this pass's are their transposes (the state
@@ -120,7 +135,10 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     HV, V = do.shape[2], do.shape[3]
     dev = q.device
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
-    dv2 = torch.empty_like(dv)
+    local_dv = dv is None
+    if local_dv and (gk_cum is not None or local_dv_dtype is None):
+        raise ValueError("bwd_dhu: dv may be left to the kernel (local_dv_dtype given) only without gk")
+    dv2 = torch.empty(do.shape, device=dev, dtype=local_dv_dtype) if local_dv else torch.empty_like(dv)
     cfg = plan.launch("bwd_dhu")
     per_segment = plan.segment_chunks("bwd_dhu")
 
@@ -129,7 +147,8 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
                q, k, w, do, dv, g_cum, gk_cum, start, dh, end, dv2, cu, offsets, T, scale,
                HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
                HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
-               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), **flags)
 
     if per_segment is None:
         dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
