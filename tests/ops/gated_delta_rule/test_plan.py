@@ -110,7 +110,7 @@ def test_profile_log_names_each_pass_once(monkeypatch, caplog):
     passes = [line.split("pass=")[1].split()[0] for line in lines]
     assert len(passes) == len(set(passes)), lines  # once per shape class, not per call
     assert {"prepare", "fwd_h", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy"} <= set(passes), passes
-    line = next(line for line in lines if "pass=bwd_dhu" in line)
+    line = next(line for line in lines if "pass=bwd_dhu " in line)
     # on a GPU, V is padded to the kernels' smallest tile and the choice comes from the table
     on_cpu = inputs["q"].device.type == "cpu"
     expected = ("op=gated_delta_rule", "backend=triton", "B=1", "T=40", "H=1", "HV=1", "K=16",
