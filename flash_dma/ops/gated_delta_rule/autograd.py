@@ -130,7 +130,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
                                        dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
                                        forward_transition=None if segments is None else segments[1],
                                        local_dv_dtype=v.dtype if fold_dv else None)
-    del segments
+    # what the passes below do not read is freed before they allocate (peak memory)
+    del segments, w, u
     del k_gated, q_gated, dv_local
     if plan.fused_backward_on():
         from .gluon.backward_chunk import bwd_chunk
