@@ -116,6 +116,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
+    elif plan.dhu_w_from_t_on():  # the state pass forms v_new from T and bwd_dhu takes T: no w
+        gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
         w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
@@ -129,7 +131,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
                                        dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
                                        forward_transition=None if segments is None else segments[1],
-                                       local_dv_dtype=v.dtype if fold_dv else None)
+                                       local_dv_dtype=v.dtype if fold_dv else None,
+                                       inverse=(ai, beta) if w is None else None)
     # what the passes below do not read is freed before they allocate (peak memory)
     del segments, w, u
     del k_gated, q_gated, dv_local

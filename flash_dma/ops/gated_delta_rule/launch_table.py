@@ -229,17 +229,20 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
             and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))
 
 
-# bwd_dhu forming the intra-chunk dv itself (P^T do, one q k^T product more per chunk and V
-# tile) instead of the local_dv pass writing it, from bench/gdn_fused_backward.py (H100, K = V =
-# 128, backward ms with the fused chunk backward, own pass / folded): B8 T4096 H32 (512 bwd_dhu
-# programs) 3.355 / 3.312, B4 T4096 H16 (128) 0.918 / 0.910, B1 T8192 H16 (128 programs of
-# 16-wide tiles) 0.763 / 0.744, B1 T32768 H16 (128) 2.064 / 2.498: on long chains the extra
-# product sits in every chunk's step. On where the programs fill the card twice over.
-DHU_LOCAL_DV_MIN_PROGRAMS_PER_SM = 2.0
+# bwd_dhu taking on another pass's work, from bench/gdn_fused_backward.py (H100, K = V = 128,
+# backward ms with the fused chunk backward): forming the intra-chunk dv itself (P^T do, one
+# q k^T product more per chunk and V tile) instead of the local_dv pass, own pass / folded:
+# B8 T4096 H32 (512 bwd_dhu programs) 3.355 / 3.312, B4 T4096 H16 (128) 0.918 / 0.910, B1 T8192
+# H16 (128 programs of 16-wide tiles) 0.763 / 0.744, B1 T32768 H16 (128) 2.064 / 2.498: on long
+# chains the extra product sits in every chunk's step. Applying w^T as (k beta e^g)^T T^T (no
+# recompute of w; one [64, 64] product more on the chain) follows the same rule. On where the
+# programs fill the card twice over.
+DHU_FOLD_MIN_PROGRAMS_PER_SM = 2.0
 
 
-def dhu_local_dv(programs: int, device: torch.device) -> bool:
-    """Whether bwd_dhu forms the intra-chunk dv itself, from its (chain, V tile) programs."""
+def dhu_takes_on(programs: int, device: torch.device) -> bool:
+    """Whether bwd_dhu forms the intra-chunk dv itself and applies w through T, from its
+    (chain, V tile) programs."""
     if device.type != "cuda" or interpreter_active():
         return False
-    return programs >= DHU_LOCAL_DV_MIN_PROGRAMS_PER_SM * device_info(device).sm_count
+    return programs >= DHU_FOLD_MIN_PROGRAMS_PER_SM * device_info(device).sm_count

@@ -18,7 +18,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
                              the Triton bwd_dqkw and bwd_wy passes;
   gdn_dhu_local_dv           bwd_dhu forms the intra-chunk dv (P^T do) itself instead of reading
-                             it from the local_dv pass (scalar gate or none).
+                             it from the local_dv pass (scalar gate or none);
+  gdn_dhu_w_from_t           bwd_dhu applies w^T through T and the keys instead of reading w, so
+                             the backward does not recompute w (scalar gate or none).
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -59,6 +61,8 @@ declare_choice("gdn_fused_backward", None, (True, False),
                "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_dhu_local_dv", None, (True, False),
                "bwd_dhu forms the intra-chunk dv itself, no local_dv pass (default: launch_table's rule)")
+declare_choice("gdn_dhu_w_from_t", None, (True, False),
+               "bwd_dhu applies w^T through T, no recompute of w (default: launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -86,6 +90,7 @@ class DeltaRulePlan:
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
+    dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -110,6 +115,14 @@ class DeltaRulePlan:
         on = bool(self.dhu_local_dv.value)
         log_choice(OP, "bwd_dhu.local_dv", self.backend, self.info, self.shape, "folded" if on else "own_pass",
                    self.dhu_local_dv.source)
+        return on
+
+    def dhu_w_from_t_on(self) -> bool:
+        """Whether bwd_dhu applies w^T through T (the backward then recomputes no w); logged
+        like a launch."""
+        on = bool(self.dhu_w_from_t.value)
+        log_choice(OP, "bwd_dhu.w", self.backend, self.info, self.shape, "from_T" if on else "read",
+                   self.dhu_w_from_t.source)
         return on
 
     def launch(self, pass_name: str) -> GdnConfig:
@@ -273,7 +286,10 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
-                         dhu_local_dv=_dhu_local_dv(V, dhu_chains, launches["bwd_dhu"].value, has_gk, device))
+                         dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", V, dhu_chains, launches["bwd_dhu"].value, has_gk,
+                                                device),
+                         dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", V, dhu_chains, launches["bwd_dhu"].value,
+                                                has_gk or not keep or not backward_from_t.value, device))
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
@@ -306,17 +322,19 @@ def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) ->
     return chosen
 
 
-def _dhu_local_dv(V: int, chains: int, dhu_config: GdnConfig, has_gk: bool, device) -> Chosen:
-    """Whether bwd_dhu forms the intra-chunk dv itself: launch_table's rule, or the override; not
-    with gk (its intra-chunk products are the pair pass's)."""
-    chosen = choice("gdn_dhu_local_dv")
-    if has_gk:
+def _dhu_fold(name: str, V: int, chains: int, dhu_config: GdnConfig, excluded: bool, device) -> Chosen:
+    """Whether bwd_dhu takes on work of another pass (gdn_dhu_local_dv: the intra-chunk dv;
+    gdn_dhu_w_from_t: w from T): launch_table's rule, or the override; never where `excluded`
+    (gk; for w from T also a backward that recomputes w for its state pass anyway)."""
+    chosen = choice(name)
+    if excluded:
         if chosen.value:
-            raise ValueError("gdn_dhu_local_dv=True: bwd_dhu forms the intra-chunk dv only without gk")
+            raise ValueError(f"{name}=True: bwd_dhu does this only without gk (and, for w, where the "
+                             f"backward's state pass forms v_new from T)")
         return Chosen(False, "rule")
     if chosen.value is None:
         programs = chains * -(-V // dhu_config.block_v)
-        return Chosen(launch_table.dhu_local_dv(programs, device), "rule")
+        return Chosen(launch_table.dhu_takes_on(programs, device), "rule")
     return chosen
 
 
@@ -372,7 +390,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_backward", "dhu_local_dv"):
+                 "dhu_chunks_per_segment", "fused_forward", "fused_backward", "dhu_local_dv",
+                 "dhu_w_from_t"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

@@ -9,20 +9,21 @@ from ....runtime.launch import launch
 from ..layout import ChunkLayout
 from ..segments import segments_of
 from .common import (
-    CHUNK, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args, sequence_program,
-    state_ptrs, store_tile
+    CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
+    sequence_program, state_ptrs, store_tile
 )
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seqlens, chunk_offsets,
+def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seqlens, chunk_offsets,
                        T, scale,
                        HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_DHT: tl.constexpr,
                        STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                        STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
-                       DHT_IDENTITY: tl.constexpr = False, LOCAL_DV: tl.constexpr = False):
+                       DHT_IDENTITY: tl.constexpr = False, LOCAL_DV: tl.constexpr = False,
+                       W_FROM_T: tl.constexpr = False):
     """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
     the state at the end of the chunk:
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
@@ -33,7 +34,10 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
     only, into dh0), and for their transition with DHT_IDENTITY (the state starts as the
     identity; V is then K) and CONSTANT_TERMS off (do and dv taken as zero and not read).
     LOCAL_DV (scalar gate or none): dv is not read but formed here, dv = P^T do with
-    P = scale (q k^T . e^(g_i - g_j)) on j <= i (the op's local_dv pass folded in)."""
+    P = scale (q k^T . e^(g_i - g_j)) on j <= i (the op's local_dv pass folded in).
+    W_FROM_T (scalar gate or none): `w` holds T (the chunk's WY inverse, [64, 64] per row block)
+    and beta is given; w^T x = (k beta e^g)^T (T^T x), so no w is read (the op's recompute of w
+    is not needed)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
@@ -73,7 +77,15 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
         if CONSTANT_TERMS:
             qt = load_tile(q, tok0, rows, HQ, head, K, krows, n_valid)
         kt = load_tile(k, tok0, rows, HQ, head, K, krows, n_valid)
-        wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
+        if W_FROM_T:
+            tmat, beta_t = chunk_inverse(w, beta, tok0, rows, hv, HV, n_valid)
+            tt = tl.trans(tmat).to(dt)
+            if HAS_G:
+                kb = (kt * (beta_t * tl.exp(load_vec(g_cum, tok0, rows, HV, hv, n_valid)))[:, None]).to(dt)
+            else:
+                kb = (kt * beta_t[:, None]).to(dt)
+        else:
+            wt = load_tile(w, tok0, rows, HV, hv, K, krows, n_valid)
         if CONSTANT_TERMS:
             dot_t = load_tile(do, tok0, rows, HV, hv, V, vcols, n_valid)
         kd = tl.dot(kt, state.to(dt))
@@ -103,17 +115,23 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
             dv2t = kd
         if STORE_STATES:
             store_tile(dv2, dv2t, tok0, rows, HV, hv, V, vcols, n_valid)
+        if W_FROM_T:
+            # T^T dv2 first ([64, 64] x [64, BV]), then the keys' product as with w
+            wt = kb
+            dv2_for_w = tl.dot(tt, dv2t.to(dt))
+        else:
+            dv2_for_w = dv2t
         if not CONSTANT_TERMS:  # the transition alone: no q^T do term
-            state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
+            state = tl.dot(tl.trans(wt), (-dv2_for_w).to(dt), acc=state)
         # scale on do's rows too: do then reaches the MMA from registers in every mode, which
         # measured faster than straight from its load when there is no gate
         elif BK > 128:
             # both products accumulate into the state itself: as `state += A - B` three [K, BV]
             # fp32 tiles are live, which spilled at K = 256
             state = tl.dot(tl.trans(qt), (dot_t * scale).to(dt), acc=state)
-            state = tl.dot(tl.trans(wt), (-dv2t).to(dt), acc=state)
+            state = tl.dot(tl.trans(wt), (-dv2_for_w).to(dt), acc=state)
         else:  # faster up to K = 128
-            state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2t.to(dt))
+            state += tl.dot(tl.trans(qt), (dot_t * scale).to(dt)) - tl.dot(tl.trans(wt), dv2_for_w.to(dt))
     if STORE_DH0:
         ptrs, mask = state_ptrs(dh0, seq, hv, HV, K, V, krows, vcols)
         tl.store(ptrs, state, mask=mask)
@@ -123,10 +141,12 @@ def gdn_bwd_dhu_kernel(q, k, w, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seq
 # Launcher
 # ------------------------------------------------------------------------------------------------
 def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float,
-            forward_transition: torch.Tensor | None = None, local_dv_dtype: torch.dtype | None = None):
+            forward_transition: torch.Tensor | None = None, local_dv_dtype: torch.dtype | None = None,
+            inverse: tuple | None = None):
     """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv).
     dv None with local_dv_dtype (scalar gate or none): the intra-chunk dv = P^T do is formed
-    inside (LOCAL_DV), and dv2 comes in that dtype.
+    inside (LOCAL_DV), and dv2 comes in that dtype. w None with inverse = (T, beta) (scalar gate
+    or none): w^T is applied as (k beta e^g)^T T^T (W_FROM_T).
     With the plan's chunks_per_segment, segments run side by side as in the forward's state pass,
     joined right to left (segments.py). forward_transition: the forward state pass's segment
     transitions M over the same cut, where known: this pass's are their transposes (the state
@@ -139,16 +159,23 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     if local_dv and (gk_cum is not None or local_dv_dtype is None):
         raise ValueError("bwd_dhu: dv may be left to the kernel (local_dv_dtype given) only without gk")
     dv2 = torch.empty(do.shape, device=dev, dtype=local_dv_dtype) if local_dv else torch.empty_like(dv)
+    w_from_t = w is None
+    if w_from_t:
+        if gk_cum is not None or inverse is None:
+            raise ValueError("bwd_dhu: w may be formed from T (inverse given) only without gk")
+        w, beta = inverse
+    else:
+        beta = None
     cfg = plan.launch("bwd_dhu")
     per_segment = plan.segment_chunks("bwd_dhu")
 
     def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, **flags):
         launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               q, k, w, do, dv, g_cum, gk_cum, start, dh, end, dv2, cu, offsets, T, scale,
+               q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, cu, offsets, T, scale,
                HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
                HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
                IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), **flags)
+               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t, **flags)
 
     if per_segment is None:
         dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
