@@ -8,7 +8,8 @@ builds a plan on every call while overrides are active (host time).
 
     python bench/gdn_fused_backward.py [--shapes 4x4096x16,1x8192x16] [--variants VARIANTS] [--out DIR]
 
-VARIANTS: name:choice=value,...;name:... (default: triton, fused, fused with bwd_dhu's own dv).
+VARIANTS: name:choice=value,...;name:... (default: triton, fused, and fused with bwd_dhu's own dv,
+then also with w from T).
 
 bf16, K = V = 128, scalar gate g, initial and final state; the fused forward as the plan picks it.
 """
@@ -28,9 +29,11 @@ from flash_dma.runtime.config import overrides  # noqa: E402
 
 SHAPES = ((4, 4096, 16), (1, 8192, 16), (1, 32768, 16), (8, 4096, 32))
 REPLACED = ("gdn_bwd_dqkw_kernel", "gdn_bwd_wy_kernel", "gdn_bwd_chunk_kernel", "gdn_bwd_dhu_kernel",
-            "gdn_intra_kernel")
-VARIANTS = ("triton:gdn_fused_backward=0,gdn_dhu_local_dv=0;fused:gdn_fused_backward=1,gdn_dhu_local_dv=0;"
-            "fused+dhu_dv:gdn_fused_backward=1,gdn_dhu_local_dv=1")
+            "gdn_intra_kernel", "gdn_recompute_wu_kernel")
+VARIANTS = ("triton:gdn_fused_backward=0,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
+            "fused:gdn_fused_backward=1,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
+            "fused+dv:gdn_fused_backward=1,gdn_dhu_local_dv=1,gdn_dhu_w_from_t=0;"
+            "fused+dv+wT:gdn_fused_backward=1,gdn_dhu_local_dv=1,gdn_dhu_w_from_t=1,gdn_backward_states_from_inverse=1")
 
 
 def parse_variants(text):
@@ -97,7 +100,7 @@ def main():
     variants = parse_variants(args.variants)
     lines = [f"# gdn fused chunk backward | {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, h0 and final state",
-             "| shape | variant | bwd ms | fwd+bwd ms | dqkw, wy, chunk, dhu, intra kernels us | bwd speedup | "
+             "| shape | variant | bwd ms | fwd+bwd ms | dqkw, wy, chunk, dhu, intra, recompute_wu kernels us | bwd speedup | "
              "max rel diff of grads vs the first |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     print(lines[0], flush=True)
