@@ -229,20 +229,11 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
             and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))
 
 
-# bwd_dhu taking on another pass's work, from bench/gdn_fused_backward.py (H100, K = V = 128,
-# backward ms with the fused chunk backward): forming the intra-chunk dv itself (P^T do, one
-# q k^T product more per chunk and V tile) instead of the local_dv pass, own pass / folded:
-# B8 T4096 H32 (512 bwd_dhu programs) 3.355 / 3.312, B4 T4096 H16 (128) 0.918 / 0.910, B1 T8192
-# H16 (128 programs of 16-wide tiles) 0.763 / 0.744, B1 T32768 H16 (128) 2.064 / 2.498: on long
-# chains the extra product sits in every chunk's step. Applying w^T as (k beta e^g)^T T^T (no
-# recompute of w; one [64, 64] product more on the chain) follows the same rule. On where the
-# programs fill the card twice over.
-DHU_FOLD_MIN_PROGRAMS_PER_SM = 2.0
-
-
-def dhu_takes_on(programs: int, device: torch.device) -> bool:
-    """Whether bwd_dhu forms the intra-chunk dv itself and applies w through T, from its
-    (chain, V tile) programs."""
-    if device.type != "cuda" or interpreter_active():
-        return False
-    return programs >= DHU_FOLD_MIN_PROGRAMS_PER_SM * device_info(device).sm_count
+# bwd_dhu taking on another pass's work, from bench/gdn_fused_backward.py (K = V = 128, backward
+# ms with the fused chunk backward, own passes / bwd_dhu forming the intra-chunk dv itself / also
+# applying w through T): H100 B8 T4096 H32 3.355 / 3.312, B4 T4096 H16 0.918 / 0.910, B1 T32768
+# H16 2.064 / 2.498; H200 B8 T4096 H32 2.967 / 3.120 / 3.866, B4 T4096 H16 0.827 / 0.851 / 1.037,
+# B1 T8192 H16 0.593 / 0.714 / 1.122, B1 T32768 H16 1.851 / 2.344 / 3.779. The extra products
+# sit in every chunk's step of the chain; only the H100's full-GPU shapes gained, by about 1%.
+# Off by default; the overrides stay for other shapes and cards.
+DHU_FOLDS_BY_DEFAULT = False

@@ -286,10 +286,8 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
-                         dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", V, dhu_chains, launches["bwd_dhu"].value, has_gk,
-                                                device),
-                         dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", V, dhu_chains, launches["bwd_dhu"].value,
-                                                has_gk or not keep or not backward_from_t.value, device))
+                         dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
+                         dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
@@ -322,7 +320,7 @@ def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) ->
     return chosen
 
 
-def _dhu_fold(name: str, V: int, chains: int, dhu_config: GdnConfig, excluded: bool, device) -> Chosen:
+def _dhu_fold(name: str, excluded: bool) -> Chosen:
     """Whether bwd_dhu takes on work of another pass (gdn_dhu_local_dv: the intra-chunk dv;
     gdn_dhu_w_from_t: w from T): launch_table's rule, or the override; never where `excluded`
     (gk; for w from T also a backward that recomputes w for its state pass anyway)."""
@@ -333,8 +331,7 @@ def _dhu_fold(name: str, V: int, chains: int, dhu_config: GdnConfig, excluded: b
                              f"backward's state pass forms v_new from T)")
         return Chosen(False, "rule")
     if chosen.value is None:
-        programs = chains * -(-V // dhu_config.block_v)
-        return Chosen(launch_table.dhu_takes_on(programs, device), "rule")
+        return Chosen(launch_table.DHU_FOLDS_BY_DEFAULT, "rule")
     return chosen
 
 
