@@ -196,3 +196,25 @@ def check_dhu(x, dtype, scale, cu=None):
         assert dh0.dtype == torch.float32
         pairs["dh0"] = (dh0, ref_dh0)
     return check_errors(pairs, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused SM90 kernels' GPU cases (test_fused_forward.py, test_fused_backward.py)
+
+ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+FUSED_CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
+    "g-h0-K128": (2, 1000, 2, 2, 128, 128, "g", True, torch.bfloat16, None),
+    "one-chunk": (1, 64, 1, 1, 128, 128, "g", False, torch.bfloat16, None),
+    "65-tokens-fp16": (1, 65, 1, 1, 128, 128, "g", True, torch.float16, None),
+    "no-gate-gqa-K64": (3, 333, 1, 2, 64, 128, "none", False, torch.bfloat16, None),
+    "K64-V64": (2, 200, 2, 2, 64, 64, "g", True, torch.bfloat16, None),
+    "varlen-empty-single": (1, 1000, 1, 2, 128, 128, "g", True, torch.bfloat16, [1, 299, 0, 700]),
+}
+
+
+def poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Leave a freed NaN block of an output's size in the caching allocator, which the op's next
+    allocation of that size reuses: rows a kernel fails to write then read as NaN."""
+    block = torch.full((numel,), float("nan"), device=DEVICE, dtype=dtype)
+    del block

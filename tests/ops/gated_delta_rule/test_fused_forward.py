@@ -5,32 +5,20 @@ with empty and single-token sequences, GQA, K != V, no gate; and the rule that p
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE
 from flash_dma.ops.gated_delta_rule import launch_table
 from flash_dma.ops.gated_delta_rule.layout import chunk_layout
 from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
-from .cases import check_against_reference, cu_from_lengths, make_inputs
-
-ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+from .cases import (
+    FUSED_CASES, ON_SM90, check_against_reference, cu_from_lengths, make_inputs, poison_allocator
+)
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
-    "g-h0-K128": (2, 1000, 2, 2, 128, 128, "g", True, torch.bfloat16, None),
-    "one-chunk": (1, 64, 1, 1, 128, 128, "g", False, torch.bfloat16, None),
-    "65-tokens-fp16": (1, 65, 1, 1, 128, 128, "g", True, torch.float16, None),
-    "no-gate-gqa-K64": (3, 333, 1, 2, 64, 128, "none", False, torch.bfloat16, None),
-    "K64-V64": (2, 200, 2, 2, 64, 64, "g", True, torch.bfloat16, None),
-    "varlen-empty-single": (1, 1000, 1, 2, 128, 128, "g", True, torch.bfloat16, [1, 299, 0, 700]),
+    **FUSED_CASES,
     "varlen-V256-gqa": (1, 777, 1, 2, 128, 256, "g", False, torch.bfloat16, [128, 1, 648]),
 }
-
-
-def _poison_allocator(numel: int, dtype: torch.dtype) -> None:
-    """Leave a freed NaN block of the output's size in the caching allocator, which the op's
-    next allocation of that size reuses: rows the kernel fails to write then read as NaN."""
-    block = torch.full((numel,), float("nan"), device=DEVICE, dtype=dtype)
-    del block
 
 
 @pytest.mark.gpu
@@ -52,7 +40,7 @@ def test_gpu_fused_forward(name, form, split):
         layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
         plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
         assert plan.fused_forward.value == form and plan.segment_chunks() == split
-        _poison_allocator(B * T * HV * V, dtype)
+        poison_allocator(B * T * HV * V, dtype)
         check_against_reference(inputs, dtype, **kwargs)
 
 

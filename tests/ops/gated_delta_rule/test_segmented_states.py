@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from flash_dma import chunk_gated_delta_rule_bwd_dhu
 from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.ops.gated_delta_rule.layout import chunk_layout
 from flash_dma.runtime.config import overrides
