@@ -89,6 +89,11 @@ def test_packed_sequences_match_padding():
 
 
 def test_generation_with_cache_matches_full_forward():
+    # Seeded: a decoding step projects its one token apart from the prompt, so a key's score can
+    # differ from the full forward's in the last bits, and where two scores nearly tie at the keep
+    # boundary the kept key changes (about one random input in 300 on the CPU). Unseeded, the
+    # inputs came from whatever RNG state earlier tests left in the worker.
+    torch.manual_seed(0)
     layer = make_layer(keep=6)
     prompt, steps = 14, 4
     x = torch.randn(2, prompt + steps, 64, device=DEVICE, dtype=torch.float16)
