@@ -33,7 +33,9 @@ from .common import CHUNK, LOG2E, exp2_ftz
 @gluon.jit
 def _chunk_of_item(slot, bhv, chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
     """(value head, first token (int64), valid rows, global chunk index (int64)) of the work item
-    (chunk slot, batch x value head). An unused varlen slot gets 0 valid rows."""
+    (chunk slot, batch x value head). An unused varlen slot gets 0 valid rows. The Gluon twin of
+    triton/common.py's chunk_of_slot (a triton.jit function cannot be called from a Gluon
+    kernel)."""
     if IS_VARLEN:
         seq = gl.load(chunk_map + 2 * slot)
         local = gl.load(chunk_map + 2 * slot + 1)
