@@ -218,3 +218,43 @@ def poison_allocator(numel: int, dtype: torch.dtype) -> None:
     allocation of that size reuses: rows a kernel fails to write then read as NaN."""
     block = torch.full((numel,), float("nan"), device=DEVICE, dtype=dtype)
     del block
+
+
+_COMPILE_SM90 = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+job = json.loads(sys.argv[2])
+module, name = job["kernel"].rsplit(".", 1)
+kernel = getattr(importlib.import_module(module), name)
+signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]}}
+order = list(signature)
+aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
+compiled = triton.compile(GluonASTSource(kernel, signature, job["constants"], aligned),
+                          target=GPUTarget("cuda", 90, 32), options=job["options"])
+print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}))
+"""
+
+
+def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict) -> dict:
+    """Compile a Gluon kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
+    ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes}. In a fresh process without
+    TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
+    it runs kernels, which a compile in the same process could meet."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[3])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    job = json.dumps({"kernel": kernel, "pointers": pointers, "scalars": scalars, "constants": constants,
+                      "options": options})
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, root, job], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{kernel} did not compile for sm_90a:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

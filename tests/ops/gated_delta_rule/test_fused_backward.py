@@ -13,7 +13,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, check_against_reference, cu_from_lengths, make_inputs, poison_allocator
+    FUSED_CASES, ON_SM90, check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs,
+    poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -96,12 +97,6 @@ def test_gpu_fused_backward_rule():
 def test_fused_backward_compiles_for_sm90(K, V, has_g, varlen, gqa):
     """The kernel compiles for sm_90a without a GPU (Triton's compiler and bundled ptxas), within
     shared memory: CI catches a kernel that no longer builds."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from flash_dma.ops.gated_delta_rule.gluon.backward_chunk import gdn_bwd_chunk_kernel
-
     names = ["q", "k", "v", "v_new", "h", "dh", "do", "dv2", "ai", "g_cum", "beta", "dq", "dk", "dv", "dbeta",
              "dg", "chunk_map", "cu_seqlens"]
     pointers = {n: "*bf16" for n in names}
@@ -109,10 +104,7 @@ def test_fused_backward_compiles_for_sm90(K, V, has_g, varlen, gqa):
     if gqa:
         pointers.update(dq="*fp32", dk="*fp32")
     constants = {"HQ": 2 if gqa else 4, "HV": 4, "K": K, "V": V, "HAS_G": has_g, "IS_VARLEN": varlen}
-    signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
-    order = list(signature)
-    aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
-    source = GluonASTSource(gdn_bwd_chunk_kernel, signature, constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert compiled.asm["cubin"], "no cubin"
-    assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"
+    compiled = compile_for_sm90("flash_dma.ops.gated_delta_rule.gluon.backward_chunk.gdn_bwd_chunk_kernel", pointers,
+                                {"T": "i32", "scale": "fp32"}, constants, {"num_warps": 8})
+    assert compiled["cubin"], "no cubin"
+    assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"

@@ -12,7 +12,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, check_against_reference, cu_from_lengths, make_inputs, poison_allocator
+    FUSED_CASES, ON_SM90, check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs,
+    poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -84,26 +85,16 @@ def test_gpu_fused_forward_rule_by_programs():
 def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from flash_dma.ops.gated_delta_rule.gluon.forward_fused import gdn_fwd_fused_kernel
-    from flash_dma.ops.gated_delta_rule.gluon.forward_ws import gdn_fwd_ws_kernel
-
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "ai": "*bf16", "g_cum": "*fp32",
                 "h0": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32"}
     constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
                  "STORE_HT": True, "IS_VARLEN": varlen}
+    gluon = "flash_dma.ops.gated_delta_rule.gluon"
     if form == "ws":
-        kernel, options = gdn_fwd_ws_kernel, {"num_warps": 4, "maxnreg": 160}
+        kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
     else:
-        kernel, options = gdn_fwd_fused_kernel, {"num_warps": form // 16}
+        kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": form // 16}
         constants = {**constants, "BV": form}
-    signature = {**pointers, "T": "i32", "scale": "fp32", **{name: "constexpr" for name in constants}}
-    names = list(signature)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}  # as launches specialise them
-    source = GluonASTSource(kernel, signature, constants, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.asm["cubin"], "no cubin"
-    assert 0 < compiled.metadata.shared <= 227 * 1024, f"shared memory {compiled.metadata.shared} B"
+    compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options)
+    assert compiled["cubin"], "no cubin"
+    assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
