@@ -96,11 +96,16 @@ def overrides(**choices):
 
 
 def parse_overrides(text: str) -> dict:
-    """Choice overrides written "name=value,name=value" (True/False for flags), as the bench and
-    diagnosis scripts take them, -> keyword arguments for `overrides`."""
+    """Choice overrides written "name=value,name=value" (True/False for flags, digits for
+    counts), as the bench and diagnosis scripts take them, -> keyword arguments for `overrides`."""
     flags = {"True": True, "False": False}
+
+    def value_of(text: str):
+        text = text.strip()
+        return flags[text] if text in flags else int(text) if text.isdigit() else text
+
     pairs = (item.split("=", 1) for item in text.split(",") if item)
-    return {name.strip(): flags.get(value.strip(), value.strip()) for name, value in pairs}
+    return {name.strip(): value_of(value) for name, value in pairs}
 
 
 def overridden(name: str) -> Any | None:

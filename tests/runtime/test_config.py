@@ -63,3 +63,12 @@ def test_overrides_reach_other_threads():
         worker.join()
     assert seen == ["kernel"]
     assert config.overridden("attention_dq_strategy") is None
+
+
+def test_parse_overrides_reads_flags_counts_and_names():
+    """The bench scripts' --choices text: flags and counts become the values the declared
+    choices allow (a count left as text would be refused by `overrides`)."""
+    import flash_dma  # noqa: F401 - the ops declare their choices on import
+    assert config.parse_overrides("a=True, b=False,c=64,d=ws") == {"a": True, "b": False, "c": 64, "d": "ws"}
+    with config.overrides(**config.parse_overrides("gdn_fused_forward=64")):
+        assert config.choice("gdn_fused_forward") == config.Chosen(64, "override")

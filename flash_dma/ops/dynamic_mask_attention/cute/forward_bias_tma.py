@@ -32,7 +32,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass import Float32, Int32, Int64, Uint32, const_expr, pipeline
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.utils import LayoutEnum
@@ -55,6 +55,11 @@ BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (
 # the whole line, as CUTLASS's CacheHintSm90 spells it): each bias tile is read once, so it need
 # not push K and V, which every query tile of a head reads, out of L2.
 L2_EVICT_FIRST = 0x12F0000000000000
+# How far past the ring the bias warp may ask L2 for tiles (tma_bias_score_mod's l2_ahead): the
+# ring holds two tiles, so a load waits for its stage and, each tile being read once from HBM,
+# then pays the whole trip there; a prefetch of the tile `l2_ahead` further on starts that trip
+# early without taking shared memory.
+MAX_L2_AHEAD = 8
 
 
 def bias_head_and_batch(head_mode: str, batch_broadcast: bool, head_idx, batch_idx,
@@ -84,10 +89,12 @@ def order_matches_fa4() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bias_dtype: str,
-                       evict_first: bool = False):
+                       evict_first: bool = False, l2_ahead: int = 0):
     """The score_mod FA4 is given for a TMA-bias forward (never called: the class below replaces
     the method that would). head_mode: "each" (one bias per query head), "kv" (per kv head) or
-    "shared" (one for all heads); evict_first: the bias loads carry L2_EVICT_FIRST."""
+    "shared" (one for all heads); evict_first: the bias loads carry L2_EVICT_FIRST; l2_ahead:
+    before waiting for a stage for key tile j, the bias warp prefetches tile j + l2_ahead into
+    L2 (0: no prefetch)."""
     fn = hooks.bias_score_mod(0, False, 1)
 
     @cute.jit
@@ -96,11 +103,33 @@ def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bia
 
     if head_mode not in ("each", "kv", "shared"):
         raise ValueError(f"head_mode: expected each, kv or shared, got {head_mode!r}")
-    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype), evict_first)
+    if not 0 <= l2_ahead <= MAX_L2_AHEAD:
+        raise ValueError(f"l2_ahead: expected 0 to {MAX_L2_AHEAD} key tiles, got {l2_ahead!r}")
+    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype), evict_first,
+                          l2_ahead)
     score_mod.__cute_hash__ = hashlib.sha256(
         f"{_SOURCE_DIGEST}:tma:{tma_slot}:{batch_broadcast}:{head_mode}:{bias_dtype}:{evict_first}"
-        .encode()).hexdigest()
+        f":{l2_ahead}".encode()).hexdigest()
     return score_mod
+
+
+@cute.jit
+def add_bias_fragment(acc_S, values, softmax_scale):
+    """acc_S = acc_S * softmax_scale + values (traced): values is the bias's 16-bit fragment in
+    acc_S's element order. For bf16 each pair of neighbours shares a 32-bit word, and a bf16
+    value's bits are a float32's upper half: the word's low element becomes a float32 by one
+    shift, its high one by one mask (the generic conversion spends a byte permute and a shift on
+    the high one, and the scores' softmax warps are issue-bound)."""
+    if const_expr(values.element_type == cutlass.BFloat16 and cute.size(acc_S.shape) % 2 == 0):
+        words = values.load().bitcast(Uint32)
+        for i in cutlass.range_constexpr(cute.size(acc_S.shape) // 2):
+            word = Uint32(words[i])
+            acc_S[2 * i] = acc_S[2 * i] * softmax_scale + (word << Uint32(16)).bitcast(Float32)
+            acc_S[2 * i + 1] = acc_S[2 * i + 1] * softmax_scale + (word & Uint32(0xFFFF0000)).bitcast(Float32)
+    else:
+        bias = values.load().to(Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_S.shape)):
+            acc_S[i] = acc_S[i] * softmax_scale + bias[i]
 
 
 def _fa4_kernel_body():
@@ -207,7 +236,7 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
         """The bias warp: for each work tile, the key tiles in FA4's order into the ring."""
         # self._bias_ring is read where used, never held in a local: a local would be carried
         # through the dynamic loop and its static fields (the stage count) staged
-        _, batch_broadcast, head_mode, _, evict_first = self._tma_spec()
+        _, batch_broadcast, head_mode, _, evict_first, l2_ahead = self._tma_spec()
         hint = {"cache_policy": Int64(L2_EVICT_FIRST)} if const_expr(evict_first) else {}
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, BIAS_STAGES)
         tile_scheduler = TileSchedulerCls()
@@ -219,15 +248,27 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
                                               self.qhead_per_kvhead)
             rows = cute.local_tile(self._bias_ring.tensor[None, None, head, batch],
                                    (self.tile_m, self.tile_n), (m_block, None))
-            copy, _, _ = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
-                                                    rows, self._bias_ring.tiles)
+            copy, _, tiles = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
+                                                        rows, self._bias_ring.tiles)
             copy = copy_utils.tma_producer_copy_fn(copy, self._bias_ring.pipeline)
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
+            if const_expr(l2_ahead > 0):
+                # the walk's j-th tile is key tile n_block_max - 1 - j; tiles 0 and 1 find free
+                # stages, so the prefetches start at the third
+                for j in cutlass.range_constexpr(BIAS_STAGES, BIAS_STAGES + l2_ahead):
+                    if n_block_max - 1 - j >= n_block_min:
+                        self._prefetch_bias_tile(tiles, n_block_max - 1 - j)
             # like FA4's K: the first tile even where the range is empty (n_block -1 zero-fills)
             self._bias_ring.pipeline.producer_acquire(state)
             copy(src_idx=n_block_max - 1, producer_state=state, **hint)
             state.advance()
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                if const_expr(l2_ahead > 0):
+                    # walk tile i + 1 is next: before waiting for its stage, ask for walk tile
+                    # i + 2 + l2_ahead (the one after the last asked for)
+                    ahead = n_block_max - 1 - (i + BIAS_STAGES + l2_ahead)
+                    if ahead >= n_block_min:
+                        self._prefetch_bias_tile(tiles, ahead)
                 self._bias_ring.pipeline.producer_acquire(state)
                 copy(src_idx=n_block_max - 2 - i, producer_state=state, **hint)
                 state.advance()
@@ -235,6 +276,12 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         self._bias_ring.pipeline.producer_tail(state)
+
+    @cute.jit
+    def _prefetch_bias_tile(self, tiles, n_block):
+        """An L2 prefetch of one bias tile through the ring's TMA descriptor (one lane issues)."""
+        with cute.arch.elect_one():
+            cute.prefetch(self._bias_ring.atom, tiles[None, n_block])
 
     @cute.jit
     def mma_init(self):
@@ -263,9 +310,7 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
             values = cute.make_rmem_tensor_like(acc_S, self._tma_spec()[3])
             cute.copy(self._bias_copy, self._bias_smem[None, None, None, stage],
                       self._bias_copy.retile(values))
-            bias = values.load().to(Float32)
-            for i in cutlass.range_constexpr(cute.size(acc_S.shape)):
-                acc_S[i] = acc_S[i] * softmax_scale + bias[i]
+            add_bias_fragment(acc_S, values, softmax_scale)
             cute.arch.sync_warp()  # the whole warp's reads done before its arrival frees the stage
             self._bias_ring.pipeline.consumer_release_w_index(stage)
             self._bias_taken[0] = taken + 1
@@ -282,5 +327,5 @@ def tma_bias_kernel():
     return forward_bias.fa4_class_swapped("FlashAttentionForwardSm90", TmaBiasForwardSm90)
 
 
-__all__ = ["tma_ready", "tma_view", "bias_head_and_batch", "order_matches_fa4", "tma_bias_score_mod",
+__all__ = ["tma_ready", "tma_view", "bias_head_and_batch", "add_bias_fragment", "order_matches_fa4", "tma_bias_score_mod",
            "TmaBiasForwardSm90", "tma_bias_kernel"]
