@@ -8,9 +8,7 @@ FlexAttention, bf16, one process:
   prefetched into registers at D128, to L2 elsewhere) and its backward re-adding the bias and
   writing dbias the same way (cute/backward_bias.py); direct-no-pairs, direct-no-prefetch,
   direct-L1, direct-L2, direct-registers and direct-tma (whole bias tiles by TMA into shared
-  memory, cute/forward_bias_tma.py) change one forward choice; l2-ahead-N: the TMA bias paths
-  (forward and backward) also prefetch into L2 the bias tile N key tiles or query rounds past
-  their shared buffers; hooks-backward puts
+  memory, cute/forward_bias_tma.py) change one forward choice; hooks-backward puts
   FA4's per-element hooks back in the backward; the backward loads the bias and stores dbias by
   TMA through FA4's shared dS tile where it can (cute/backward_bias_tma.py): bwd-direct turns
   both off, bwd-bias-tma and bwd-dbias-tma keep one;
@@ -65,10 +63,6 @@ VARIANTS = {
     "direct-tma": ("cute", dict(DIRECT, attention_cute_bias_prefetch="tma")),
     "tma-evict-first": ("cute", dict(DIRECT, attention_cute_bias_prefetch="tma",
                                      attention_cute_bias_tma_evict_first=True)),
-    "l2-ahead-1": ("cute", dict(DIRECT, attention_cute_bias_l2_ahead=1)),
-    "l2-ahead-2": ("cute", dict(DIRECT, attention_cute_bias_l2_ahead=2)),
-    "l2-ahead-4": ("cute", dict(DIRECT, attention_cute_bias_l2_ahead=4)),
-    "l2-ahead-6": ("cute", dict(DIRECT, attention_cute_bias_l2_ahead=6)),
     "hooks-backward": ("cute", dict(DIRECT, attention_cute_direct_bias_backward=False)),
     "bwd-direct": ("cute", dict(DIRECT, attention_cute_dbias_tma=False,
                                 attention_cute_bias_tma_backward=False)),

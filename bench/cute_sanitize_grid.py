@@ -105,8 +105,7 @@ def main() -> int:
         cases.append(("bias by TMA [B,Hk,Sq,Sk] D64 Sq197 Sk136", lambda: tma(64, False, 197, 136, 2)))
         # the backward's TMA bias read and dbias store at D128's 80-row tiles
         cases.append(("bias by TMA [B,H,Sq,Sk] D128 Sq197 Sk136", lambda: tma(128, False, 197, 136, 4)))
-        # walks of several tiles, where the bias paths' L2 prefetch (attention_cute_bias_l2_ahead)
-        # issues ahead of the ring and stops at the walk's end
+        # walks of several tiles each way: the rings wrap
         cases.append(("bias by TMA [B,H,Sq,Sk] D128 Sq600 Sk648 (several tiles each way)",
                       lambda: tma(128, False, 600, 648, 4)))
     if args.only:

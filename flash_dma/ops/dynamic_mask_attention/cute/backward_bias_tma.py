@@ -74,22 +74,15 @@ assert BIAS_INIT_BARRIER < 16, "no free named barrier"
 class TmaBackwardSpec:
     """What the kernel takes by TMA. bias: (aux slot of the bias's TMA view, batch broadcast,
     head mode: "each" query head, per "kv" head or "shared"), or None to read it per element;
-    dbias_slot: aux slot of dbias's TMA view, or None to write it per element; l2_ahead: with
-    the bias loaded, the round that loads round r's tile also asks L2 for round r + l2_ahead's
-    (0: no prefetch; the one-round lead of the stage alone leaves each tile's trip from HBM on
-    the round's path)."""
+    dbias_slot: aux slot of dbias's TMA view, or None to write it per element."""
     bias: Optional[tuple] = None
     dbias_slot: Optional[int] = None
-    l2_ahead: int = 0
 
     def __post_init__(self):
         if self.bias is None and self.dbias_slot is None:
             raise ValueError("TmaBackwardSpec: expected a bias or a dbias slot")
         if self.bias is not None and self.bias[2] not in HEAD_MODES:
             raise ValueError(f"bias head mode: expected one of {HEAD_MODES}, got {self.bias[2]!r}")
-        if not 0 <= self.l2_ahead <= forward_bias_tma.MAX_L2_AHEAD:
-            raise ValueError(f"l2_ahead: expected 0 to {forward_bias_tma.MAX_L2_AHEAD} rounds, "
-                             f"got {self.l2_ahead!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,20 +246,16 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                                                   self.qhead_per_kvhead)
                 rows = cute.local_tile(self._tma.bias[None, None, head, batch],
                                        (self.tile_m, self.tile_n), (None, n_block))
-                self._round.load, _, self._round.bias_tiles = copy_utils.tma_get_copy_fn(
+                self._round.load, _, _ = copy_utils.tma_get_copy_fn(
                     self._tma.bias_atom, 0, cute.make_layout(1), rows, self._tma.sdS)
                 m_block_min, m_block_max = self._tma.block_info.get_m_block_min_max(
                     bound["seqlen_info"], n_block)
                 if _is_tma_warp():
                     if m_block == m_block_min:
                         # the tile's first round loads its own bias; later rounds get theirs
-                        # from the round before (_issue_tma_then), which also prefetches
-                        # l2_ahead rounds on: here the rounds up to that lead
+                        # from the round before (_issue_tma_then)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         self._load_bias(m_block, stage)
-                        for ahead in cutlass.range_constexpr(1, 1 + self._spec().l2_ahead):
-                            if m_block + ahead < m_block_max:
-                                self._prefetch_bias(m_block + ahead)
             if const_expr(is_dQ_wg):
                 # FA4 calls the dQ GEMM right after the fence and barrier that publish this
                 # round's dS tile: our TMA goes out just before it
@@ -290,16 +279,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                 # write) are all behind the barrier just passed
                 if m_block + 1 < m_block_max:
                     self._load_bias(m_block + 1, 1 - A_idx)
-                if const_expr(self._spec().l2_ahead > 0):
-                    if m_block + 1 + self._spec().l2_ahead < m_block_max:
-                        self._prefetch_bias(m_block + 1 + self._spec().l2_ahead)
         return mma_dsk_fn(A_idx=A_idx, wg_wait=wg_wait)
-
-    @cute.jit
-    def _prefetch_bias(self, m_block):
-        """The TMA warp: an L2 prefetch of bias tile (m_block, this tile's keys)."""
-        with cute.arch.elect_one():
-            cute.prefetch(self._tma.bias_atom, self._round.bias_tiles[None, m_block])
 
     @cute.jit
     def _load_bias(self, m_block, stage):

@@ -55,11 +55,6 @@ BIAS_STAGES = 2  # what fits beside FA4's buffers at masked.TMA_BIAS_HEAD_DIMS (
 # the whole line, as CUTLASS's CacheHintSm90 spells it): each bias tile is read once, so it need
 # not push K and V, which every query tile of a head reads, out of L2.
 L2_EVICT_FIRST = 0x12F0000000000000
-# How far past the ring the bias warp may ask L2 for tiles (tma_bias_score_mod's l2_ahead): the
-# ring holds two tiles, so a load waits for its stage and, each tile being read once from HBM,
-# then pays the whole trip there; a prefetch of the tile `l2_ahead` further on starts that trip
-# early without taking shared memory.
-MAX_L2_AHEAD = 8
 
 
 def bias_head_and_batch(head_mode: str, batch_broadcast: bool, head_idx, batch_idx,
@@ -89,12 +84,10 @@ def order_matches_fa4() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bias_dtype: str,
-                       evict_first: bool = False, l2_ahead: int = 0):
+                       evict_first: bool = False):
     """The score_mod FA4 is given for a TMA-bias forward (never called: the class below replaces
     the method that would). head_mode: "each" (one bias per query head), "kv" (per kv head) or
-    "shared" (one for all heads); evict_first: the bias loads carry L2_EVICT_FIRST; l2_ahead:
-    before waiting for a stage for key tile j, the bias warp prefetches tile j + l2_ahead into
-    L2 (0: no prefetch)."""
+    "shared" (one for all heads); evict_first: the bias loads carry L2_EVICT_FIRST."""
     fn = hooks.bias_score_mod(0, False, 1)
 
     @cute.jit
@@ -103,13 +96,10 @@ def tma_bias_score_mod(tma_slot: int, batch_broadcast: bool, head_mode: str, bia
 
     if head_mode not in ("each", "kv", "shared"):
         raise ValueError(f"head_mode: expected each, kv or shared, got {head_mode!r}")
-    if not 0 <= l2_ahead <= MAX_L2_AHEAD:
-        raise ValueError(f"l2_ahead: expected 0 to {MAX_L2_AHEAD} key tiles, got {l2_ahead!r}")
-    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype), evict_first,
-                          l2_ahead)
+    score_mod.tma_bias = (tma_slot, batch_broadcast, head_mode, getattr(cutlass, bias_dtype), evict_first)
     score_mod.__cute_hash__ = hashlib.sha256(
         f"{_SOURCE_DIGEST}:tma:{tma_slot}:{batch_broadcast}:{head_mode}:{bias_dtype}:{evict_first}"
-        f":{l2_ahead}".encode()).hexdigest()
+        .encode()).hexdigest()
     return score_mod
 
 
@@ -236,7 +226,7 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
         """The bias warp: for each work tile, the key tiles in FA4's order into the ring."""
         # self._bias_ring is read where used, never held in a local: a local would be carried
         # through the dynamic loop and its static fields (the stage count) staged
-        _, batch_broadcast, head_mode, _, evict_first, l2_ahead = self._tma_spec()
+        _, batch_broadcast, head_mode, _, evict_first = self._tma_spec()
         hint = {"cache_policy": Int64(L2_EVICT_FIRST)} if const_expr(evict_first) else {}
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, BIAS_STAGES)
         tile_scheduler = TileSchedulerCls()
@@ -248,27 +238,15 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
                                               self.qhead_per_kvhead)
             rows = cute.local_tile(self._bias_ring.tensor[None, None, head, batch],
                                    (self.tile_m, self.tile_n), (m_block, None))
-            copy, _, tiles = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
-                                                        rows, self._bias_ring.tiles)
+            copy, _, _ = copy_utils.tma_get_copy_fn(self._bias_ring.atom, 0, cute.make_layout(1),
+                                                    rows, self._bias_ring.tiles)
             copy = copy_utils.tma_producer_copy_fn(copy, self._bias_ring.pipeline)
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
-            if const_expr(l2_ahead > 0):
-                # the walk's j-th tile is key tile n_block_max - 1 - j; tiles 0 and 1 find free
-                # stages, so the prefetches start at the third
-                for j in cutlass.range_constexpr(BIAS_STAGES, BIAS_STAGES + l2_ahead):
-                    if n_block_max - 1 - j >= n_block_min:
-                        self._prefetch_bias_tile(tiles, n_block_max - 1 - j)
             # like FA4's K: the first tile even where the range is empty (n_block -1 zero-fills)
             self._bias_ring.pipeline.producer_acquire(state)
             copy(src_idx=n_block_max - 1, producer_state=state, **hint)
             state.advance()
             for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                if const_expr(l2_ahead > 0):
-                    # walk tile i + 1 is next: before waiting for its stage, ask for walk tile
-                    # i + 2 + l2_ahead (the one after the last asked for)
-                    ahead = n_block_max - 1 - (i + BIAS_STAGES + l2_ahead)
-                    if ahead >= n_block_min:
-                        self._prefetch_bias_tile(tiles, ahead)
                 self._bias_ring.pipeline.producer_acquire(state)
                 copy(src_idx=n_block_max - 2 - i, producer_state=state, **hint)
                 state.advance()
@@ -276,12 +254,6 @@ class TmaBiasForwardSm90(forward_bias.DirectBiasForwardSm90):
             tile_scheduler.advance_to_next_work()
             work_tile = tile_scheduler.get_current_work()
         self._bias_ring.pipeline.producer_tail(state)
-
-    @cute.jit
-    def _prefetch_bias_tile(self, tiles, n_block):
-        """An L2 prefetch of one bias tile through the ring's TMA descriptor (one lane issues)."""
-        with cute.arch.elect_one():
-            cute.prefetch(self._bias_ring.atom, tiles[None, n_block])
 
     @cute.jit
     def mma_init(self):
@@ -327,5 +299,5 @@ def tma_bias_kernel():
     return forward_bias.fa4_class_swapped("FlashAttentionForwardSm90", TmaBiasForwardSm90)
 
 
-__all__ = ["tma_ready", "tma_view", "bias_head_and_batch", "add_bias_fragment", "order_matches_fa4", "tma_bias_score_mod",
-           "TmaBiasForwardSm90", "tma_bias_kernel"]
+__all__ = ["tma_ready", "tma_view", "bias_head_and_batch", "add_bias_fragment", "order_matches_fa4",
+           "tma_bias_score_mod", "TmaBiasForwardSm90", "tma_bias_kernel"]

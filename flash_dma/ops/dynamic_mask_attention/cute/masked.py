@@ -73,10 +73,6 @@ declare_choice("attention_cute_bias_prefetch", "auto", ("auto", "none", "L2", "L
 declare_choice("attention_cute_bias_tma_evict_first", False, (False, True),
                "the TMA bias forward's loads ask L2 to evict the bias first (read once), keeping "
                "K and V resident")
-declare_choice("attention_cute_bias_l2_ahead", 0, tuple(range(9)),
-               "the TMA bias paths (forward and backward) also prefetch into L2 the bias tile this "
-               "many key tiles (forward) or query rounds (backward) past the ones their shared "
-               "buffers hold (0: none)")
 declare_choice("attention_cute_dbias_tma", True, (False, True),
                "the CuTe backward stores dbias by TMA from the dS tile FA4 keeps in shared memory "
                "(cute/backward_bias_tma.py; one writer per entry, keys a multiple of 8)")
@@ -116,7 +112,6 @@ class BiasPath:
     prefetch: str  # "none", "L2", "L1", "registers" or "tma"
     direct_backward: bool
     tma_evict_first: bool = False
-    l2_ahead: int = 0
     dbias_tma: bool = False
     bias_tma_backward: bool = False
 
@@ -138,7 +133,6 @@ def bias_path(head_dim: int, causal: bool, tma_layout: bool, tma_loadable: bool 
                     prefetch=prefetch,
                     direct_backward=choice("attention_cute_direct_bias_backward").value,
                     tma_evict_first=choice("attention_cute_bias_tma_evict_first").value,
-                    l2_ahead=choice("attention_cute_bias_l2_ahead").value,
                     dbias_tma=choice("attention_cute_dbias_tma").value,
                     bias_tma_backward=choice("attention_cute_bias_tma_backward").value)
 
@@ -314,7 +308,7 @@ def forward(q, k, v, mask, bias, *, causal: bool, softmax_scale: float,
             aux.append(tma_operands.tma_view(bias))
             score_mod = forward_bias_tma.tma_bias_score_mod(
                 tma_slot, bias.shape[0] == 1, _tma_head_mode(bias, num_heads),
-                CUTLASS_TYPE_NAMES[bias.dtype], path.tma_evict_first, path.l2_ahead)
+                CUTLASS_TYPE_NAMES[bias.dtype], path.tma_evict_first)
             kernel = forward_bias_tma.tma_bias_kernel()
             pack_gqa = False  # the bias warp reads one query head's rows per tile
         else:
@@ -468,8 +462,7 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                                      "dbias stored from the score fragments", gap)
         if tma_bias is not None or tma_dbias is not None:
             from . import backward_bias_tma
-            spec = backward_bias_tma.TmaBackwardSpec(
-                bias=tma_bias, dbias_slot=tma_dbias, l2_ahead=path.l2_ahead if tma_bias is not None else 0)
+            spec = backward_bias_tma.TmaBackwardSpec(bias=tma_bias, dbias_slot=tma_dbias)
             score_mod_bwd = backward_bias_tma.tma_score_mod_bwd(spec, score_mod_bwd.direct_dbias)
             kernel = backward_bias_tma.tma_backward_kernel()
     lists = _tile_lists(mask, shape, causal, q.shape[-1], key_major=True)
