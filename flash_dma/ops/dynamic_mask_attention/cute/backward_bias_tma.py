@@ -10,8 +10,8 @@ dtype, queries x keys with keys contiguous, read by the dQ GEMM), and that buffe
 - dbias: with one dbias writer per entry the tile is exactly dbias (the gradient of the scaled
   score plus bias, not multiplied by the softmax scale). After FA4's own fence and barrier that
   publish it, the first consumer warp stores it with one TMA store; the same warp waits for the
-  store's read of shared memory in the next round's score-gradient hook, which precedes the
-  barrier guarding the stage's next write. Out-of-range rows and keys are clipped by TMA; tiles
+  store's read of shared memory in the next round's score hook, which precedes the barrier
+  guarding the stage's next write. Out-of-range rows and keys are clipped by TMA; tiles
   no round visits keep the zeros the buffer starts with.
 - the bias: round r's bias tile is loaded by TMA into the stage round r's dS will be written to.
   That stage is free from the barrier publishing round r-1's dS (the other stage) on: the first
@@ -293,6 +293,13 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
     def apply_score_mod(self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
                         softmax_scale, seqlen_info, aux_data: AuxData = AuxData(),
                         fastdiv_mods=(None, None)):
+        if const_expr(self._stores_dbias()):
+            if _is_tma_warp():
+                # the previous round's dbias store has read its stage before anyone passes this
+                # round's barrier, after which that stage takes the next bias or dS. Waited for
+                # here, not in the score-gradient hook: there ptxas serialised every warpgroup
+                # MMA of the kernel (C7512)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(not self._takes_bias()):
             backward_bias.DirectBiasBackwardSm90.apply_score_mod(
                 self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
@@ -308,15 +315,12 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
     def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx,
                             m_block, n_block, softmax_scale, seqlen_info,
                             aux_data: AuxData = AuxData(), fastdiv_mods=(None, None)):
+        # with dbias stored by TMA from the dS tile, nothing here: a bias's score gradient is
+        # the identity, and the store waits in the score hook (apply_score_mod)
         if const_expr(not self._stores_dbias()):
             backward_bias.DirectBiasBackwardSm90.apply_score_mod_bwd(
                 self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
                 n_block, softmax_scale, seqlen_info, aux_data, fastdiv_mods)
-        else:
-            if _is_tma_warp():
-                # the previous round's store has read its stage before anyone passes this
-                # round's barrier, after which that stage takes the next bias or dS
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
