@@ -43,6 +43,16 @@ SOURCE_DIGEST = _SOURCE_DIGEST  # for the classes built on this one
 DBIAS_MODES = ("none", "store", "atomic")
 
 
+def _bound_keywords(fn) -> dict:
+    """The keyword arguments bound into a (nested) functools.partial, at trace time: FA4 binds
+    the round's batch, head, key tile and lengths into its score hooks."""
+    bound = {}
+    while isinstance(fn, functools.partial):
+        bound = {**fn.keywords, **bound}
+        fn = fn.func
+    return bound
+
+
 @functools.lru_cache(maxsize=None)
 def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_queries: bool = False):
     """The score_mod_bwd FA4 is given beside a direct bias in the backward (never called: the
@@ -84,6 +94,10 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         spec = getattr(self.score_mod_bwd, "direct_dbias", None)
         return spec is not None and spec[2] != "none" and spec[3]
 
+    def _reads_key_bias(self):
+        """The bias is read per key, before each round (a bias broadcast along queries)."""
+        return self._sums_queries() and getattr(self.score_mod, "direct_bias", None) is not None
+
     @cute.jit
     def mma(self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
             mdK_semaphore, mdV_semaphore, mdQaccum, sQ, sK, sV, sdO, sP, sdS, sLSE, sdPsum,
@@ -112,6 +126,37 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             columns = cute.size(self._key_columns(0), mode=[1])
             self._key_sums = cute.make_rmem_tensor(columns, Float32)
             self._key_sums.fill(0.0)
+            # and the bias of those keys, for the round about to run
+            self._key_bias = cute.make_rmem_tensor(columns, Float32)
+
+    @cute.jit
+    def mma_one_m_block(self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx,
+                        mma_qk_fn, mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s,
+                        copy_dS_r2s, pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum,
+                        softmax_scale_log2, PdS_barrier, is_dQ_wg=True, mask_fn=None,
+                        score_mod_fn=None, score_mod_bwd_fn=None, dKV_accumulate=True):
+        if const_expr(self._reads_key_bias()):
+            # a bias broadcast along queries, read here, before the round's score and dP MMAs
+            # are issued: read in the score hook (per element, or per key), its loads' address
+            # arithmetic left ptxas short of registers for the MMAs in flight there, and it
+            # serialised every warpgroup MMA of the kernel (C7512)
+            bound = _bound_keywords(score_mod_fn)
+            bias_slot, grouped = self.score_mod.direct_bias[:2]
+            bias = self._aux_tensors[bias_slot]
+            last_k = bound["seqlen_info"].seqlen_k - 1
+            keys = self._key_columns(bound["n_block"])
+            for c in cutlass.range_constexpr(cute.size(self._key_bias.shape)):
+                _, k = self._query_key(keys[0, c])
+                # clamped into the problem (lanes past it are masked after the score hook)
+                at = hooks.pair_pointer(bias, grouped, bound["batch_idx"], bound["head_idx"], 0,
+                                        cutlass.max(cutlass.min(k, last_k), 0))
+                self._key_bias[c] = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)[0]
+        return FlashAttentionBackwardSm90.mma_one_m_block(
+            self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
+            mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s, copy_dS_r2s, pipeline_Q,
+            pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum, softmax_scale_log2, PdS_barrier,
+            is_dQ_wg=is_dQ_wg, mask_fn=mask_fn, score_mod_fn=score_mod_fn,
+            score_mod_bwd_fn=score_mod_bwd_fn, dKV_accumulate=dKV_accumulate)
 
     @cute.jit
     def _key_columns(self, n_block):
@@ -162,6 +207,13 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             FlashAttentionBackwardSm90.apply_score_mod(
                 self, acc_S, thr_mma_SdP, batch_idx, head_idx, m_block, n_block, softmax_scale,
                 seqlen_info, aux_data, fastdiv_mods)
+        elif const_expr(self._reads_key_bias()):
+            # a bias broadcast along queries: this round's key values, loaded before the round
+            # (mma_one_m_block), added down each key column of the fragment
+            scores = layout_utils.reshape_acc_to_mn(acc_S, transpose=self.SdP_swapAB)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    scores[r, c] = scores[r, c] * softmax_scale + self._key_bias[c]
         else:
             bias_slot, grouped = self.score_mod.direct_bias[:2]
             bias = aux_data.tensors[bias_slot]
@@ -217,7 +269,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
-for _name in ("mma", "epilogue_dKV"):
+for _name in ("mma", "epilogue_dKV", "mma_one_m_block"):
     getattr(DirectBiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
         getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 

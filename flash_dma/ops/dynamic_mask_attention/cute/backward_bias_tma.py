@@ -49,6 +49,7 @@ from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
 from . import backward_bias, forward_bias_tma
+from .backward_bias import _bound_keywords
 from .forward_bias import fa4_class_swapped
 from .forward_bias_tma import bias_head_and_batch
 
@@ -123,15 +124,6 @@ def tma_score_mod_bwd(spec: TmaBackwardSpec, direct_dbias: tuple):
     score_mod_bwd.__cute_hash__ = hashlib.sha256(
         f"{_SOURCE_DIGEST}:tma-backward:{spec}:{direct_dbias}".encode()).hexdigest()
     return score_mod_bwd
-
-
-def _bound_keywords(fn) -> dict:
-    """The keyword arguments bound into a (nested) functools.partial, at trace time."""
-    bound = {}
-    while isinstance(fn, functools.partial):
-        bound = {**fn.keywords, **bound}
-        fn = fn.func
-    return bound
 
 
 def _is_tma_warp():
