@@ -235,13 +235,17 @@ order = list(signature)
 aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
 compiled = triton.compile(GluonASTSource(kernel, signature, job["constants"], aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])
-print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}))
+from triton.tools.disasm import get_sass
+sass = get_sass(compiled.asm["cubin"])
+print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+                  "mmas": sass.count("HGMMA."), "mma_waits": sass.count("WARPGROUP.DEPBAR")}))
 """
 
 
 def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict) -> dict:
     """Compile a Gluon kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
-    ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes}. In a fresh process without
+    ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes, "mmas": warpgroup MMA instructions,
+    "mma_waits": waits for them in the SASS}. In a fresh process without
     TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
     it runs kernels, which a compile in the same process could meet."""
     import json
@@ -258,3 +262,12 @@ def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{kernel} did not compile for sm_90a:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_mma_not_serialised(compiled: dict) -> None:
+    """ptxas, short of registers or facing an MMA it cannot keep in flight, serialises every
+    warpgroup MMA (a wait after each HGMMA instruction; its C7510-C7515 notes are not shown by
+    Triton). The kernels' own waits come one per product of several HGMMA steps."""
+    assert compiled["mmas"] > 0, "no warpgroup MMA in the SASS"
+    assert compiled["mma_waits"] * 2 <= compiled["mmas"], (
+        f"warpgroup MMAs serialised: {compiled['mma_waits']} waits for {compiled['mmas']} HGMMA")

@@ -12,8 +12,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs,
-    poison_allocator
+    FUSED_CASES, ON_SM90, assert_mma_not_serialised, check_against_reference, compile_for_sm90, cu_from_lengths,
+    make_inputs, poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -98,3 +98,4 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options)
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
+    assert_mma_not_serialised(compiled)
