@@ -30,9 +30,11 @@ def make_inputs(B, Sq, Sk, H, Hk, D, dtype, mask_shape=None, bias_shape=None, bi
 
 
 def check_against_reference(q, k, v, mask, bias, causal, dtype, grad=True, deterministic=False,
-                            varlen=None, scale=None):
+                            varlen=None, scale=None, bias_grad=True):
+    """bias_grad=False: the bias is a constant (no dbias asked for), q, k and v still learn."""
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-    bias_leaf = bias.clone().requires_grad_(grad) if bias is not None else None
+    bias_grad = grad and bias_grad and bias is not None
+    bias_leaf = bias.clone().requires_grad_(bias_grad) if bias is not None else None
     if varlen is None:
         out, lse = flash_dma_func(*leaves, attn_mask=mask, attn_bias=bias_leaf, is_causal=causal,
                                   softmax_scale=scale, return_lse=True, deterministic=deterministic)
@@ -42,7 +44,7 @@ def check_against_reference(q, k, v, mask, bias, causal, dtype, grad=True, deter
                                          attn_bias=bias_leaf, is_causal=causal, softmax_scale=scale,
                                          return_lse=True, deterministic=deterministic)
     ref_leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
-    ref_bias = bias.detach().double().requires_grad_(grad) if bias is not None else None
+    ref_bias = bias.detach().double().requires_grad_(bias_grad) if bias is not None else None
     # A zero full-shape bias in the reference yields dS itself: the scale against which a bias
     # gradient summed over keys is judged (that sum is exactly 0, softmax being shift-invariant).
     zero_full = None
@@ -50,7 +52,7 @@ def check_against_reference(q, k, v, mask, bias, causal, dtype, grad=True, deter
         n_batch = len(varlen[0]) - 1 if varlen else q.shape[0]
         full_shape = (n_batch, q.shape[-2], varlen[2] if varlen else q.shape[1],
                       varlen[3] if varlen else k.shape[1])
-        zero_full = torch.zeros(full_shape, dtype=torch.float64, device=q.device, requires_grad=grad)
+        zero_full = torch.zeros(full_shape, dtype=torch.float64, device=q.device, requires_grad=bias_grad)
     total_bias = None if bias is None else heads_to(ref_bias, q.shape[-2], 1) + zero_full
     if varlen is None:
         ref_out, ref_lse = attention_reference(*ref_leaves, mask, total_bias, causal, scale)
@@ -63,8 +65,8 @@ def check_against_reference(q, k, v, mask, bias, causal, dtype, grad=True, deter
     if not grad:
         return out, None
     dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, leaves + ([bias_leaf] if bias is not None else []), dout)
-    want = torch.autograd.grad(ref_out, ref_leaves + ([ref_bias, zero_full] if bias is not None else []),
+    got = torch.autograd.grad(out, leaves + ([bias_leaf] if bias_grad else []), dout)
+    want = torch.autograd.grad(ref_out, ref_leaves + ([ref_bias, zero_full] if bias_grad else []),
                                dout.double())
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert g.dtype == (q.dtype if name != "dbias" else bias.dtype)
@@ -606,6 +608,21 @@ def test_gpu_cute_dbias_summed_over_queries(on_cute, bias_shape, head_dim, seqle
     expected = "cute" if head_dim in (64, 128) else "triton"
     assert on_cute == [("fwd", "cute"), ("bwd", expected)]
     assert _expected_cute_backward(None, bias, 2, 4, 300, seqlen_k, head_dim) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_shape", [(2, 4, 1, 257), (1, 2, 1, 257)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cute_key_bias_as_a_constant(on_cute, bias_shape, head_dim, causal):
+    """A bias broadcast along queries that asks for no gradient: the CuTe backward reads it per
+    key before each round at head dims 64 and 128 (cute/backward_bias.py), per element at 256;
+    dq, dk and dv against the fp64 reference, a partial query tile, GQA."""
+    dtype = torch.bfloat16
+    q, k, v, _, bias = make_inputs(2, 300, 257, 4, 2, head_dim, dtype, None, bias_shape)
+    _, grads = check_against_reference(q, k, v, None, bias, causal, dtype, bias_grad=False)
+    assert len(grads) == 3
+    assert on_cute == [("fwd", "cute"), ("bwd", "cute")]
 
 
 @pytest.mark.gpu

@@ -57,7 +57,9 @@ def _bound_keywords(fn) -> dict:
 def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_queries: bool = False):
     """The score_mod_bwd FA4 is given beside a direct bias in the backward (never called: the
     class below replaces the method that would); marked with the dbias slot, grouping and mode,
-    and whether dbias sums over queries (a bias broadcast along them)."""
+    and whether the bias is broadcast along queries at a head dim where the scores are
+    transposed (masked.SUM_QUERIES_HEAD_DIMS): then it is read per key, and dbias, if any, summed
+    over queries."""
     if mode not in DBIAS_MODES:
         raise ValueError(f"mode: expected one of {DBIAS_MODES}, got {mode!r}")
 
@@ -96,7 +98,8 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
 
     def _reads_key_bias(self):
         """The bias is read per key, before each round (a bias broadcast along queries)."""
-        return self._sums_queries() and getattr(self.score_mod, "direct_bias", None) is not None
+        spec = getattr(self.score_mod_bwd, "direct_dbias", None)
+        return spec is not None and spec[3] and getattr(self.score_mod, "direct_bias", None) is not None
 
     @cute.jit
     def mma(self, tiled_mma_SdP, tiled_mma_dK, tiled_mma_dV, tiled_mma_dQ, mdK, mdV,
@@ -117,16 +120,18 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
     @cute.jit
     def _mma_setup(self, tiled_mma_SdP, sdS, pipeline_dO, tidx, block_info, aux_data):
         """What the consumer warpgroups set up before FA4's round loop (subclasses add theirs)."""
+        if const_expr(self._sums_queries() or self._reads_key_bias()):
+            self._score_thr_mma = tiled_mma_SdP.get_slice(tidx)
+            self._aux_tensors = aux_data.tensors
+            columns = cute.size(self._key_columns(0), mode=[1])
         if const_expr(self._sums_queries()):
             # the dbias of this thread's keys (SdP_swapAB: masked.SUM_QUERIES_HEAD_DIMS), summed
             # over every round of a tile in registers that live across FA4's round loop; columns
             # of the (query, key) view of its score fragment
-            self._score_thr_mma = tiled_mma_SdP.get_slice(tidx)
-            self._aux_tensors = aux_data.tensors
-            columns = cute.size(self._key_columns(0), mode=[1])
             self._key_sums = cute.make_rmem_tensor(columns, Float32)
             self._key_sums.fill(0.0)
-            # and the bias of those keys, for the round about to run
+        if const_expr(self._reads_key_bias()):
+            # the bias of those keys, for the round about to run
             self._key_bias = cute.make_rmem_tensor(columns, Float32)
 
     @cute.jit

@@ -435,9 +435,11 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                 aux[slot] = forward_bias.mark_keys_contiguous(aux[slot])
         score_mod = forward_bias.direct_bias_score_mod(BIAS_SLOT, grouped[BIAS_SLOT], "none", False,
                                                        CUTLASS_TYPE_NAMES[bias.dtype])
+        # a bias broadcast along queries is read per key (and its dbias summed per key) where the
+        # backward computes the scores transposed; backward_gap keeps dbias to those head dims
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
             DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none",
-            dbias_mode is not None and sums_queries(bias, seqlen_q))
+            sums_queries(bias, seqlen_q) and q.shape[-1] in SUM_QUERIES_HEAD_DIMS)
         kernel = backward_bias.direct_bias_backward_kernel()
         tma_bias = tma_dbias = None
         # at other head dims the per-element forms are the path, not a fallback
