@@ -102,7 +102,7 @@ def parse_overrides(text: str) -> dict:
 
     def value_of(text: str):
         text = text.strip()
-        return flags[text] if text in flags else int(text) if text.isdigit() else text
+        return flags[text] if text in flags else int(text) if text.isdecimal() else text
 
     pairs = (item.split("=", 1) for item in text.split(",") if item)
     return {name.strip(): value_of(value) for name, value in pairs}

@@ -10,7 +10,9 @@ atomic add where batches or query heads share it ("atomic", zeros skipped), noth
 backward computes S transposed (SdP_swapAB), so no index needs FA4's GQA decoding (hooks.py's
 `_unfold` is for the generic path only).
 
-A bias broadcast along queries ([B|1, H|Hk|1, 1, Sk], "sum_queries"): each CTA of FA4's backward
+A bias broadcast along queries ([B|1, H|Hk|1, 1, Sk], "sum_queries") is read once per key of a
+thread's fragment before each round (outside FA4's MMA window: read in the score hook, its loads
+made ptxas serialise the kernel's MMAs) and added down each key column. Each CTA of FA4's backward
 owns one key tile and walks every query tile, so dbias for its keys is summed in registers across
 the rounds (each thread its own keys' columns, over its queries inside the problem) and written
 once per tile in the epilogue, after a reduction over the four lanes that share a key row of the

@@ -220,6 +220,9 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                         copy_dS_r2s, pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum,
                         softmax_scale_log2, PdS_barrier, is_dQ_wg=True, mask_fn=None,
                         score_mod_fn=None, score_mod_bwd_fn=None, dKV_accumulate=True):
+        # the per-key bias read of a bias broadcast along queries lives in the parent's
+        # mma_one_m_block, which this one does not call (TMA takes full query dims only)
+        assert not self._reads_key_bias(), "a bias broadcast along queries takes no TMA path"
         if const_expr(self._spec() is not None):
             bound = _bound_keywords(score_mod_fn)
             batch_idx, head_idx, n_block = bound["batch_idx"], bound["head_idx"], bound["n_block"]
