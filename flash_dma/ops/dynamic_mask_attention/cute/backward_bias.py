@@ -142,12 +142,26 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                         copy_dS_r2s, pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum,
                         softmax_scale_log2, PdS_barrier, is_dQ_wg=True, mask_fn=None,
                         score_mod_fn=None, score_mod_bwd_fn=None, dKV_accumulate=True):
+        """FA4's round, after what this class and its subclasses do before it (_prepare_round)
+        and with their wrapper around the round's dQ GEMM (_wrap_dq_gemm)."""
+        self._prepare_round(m_block, consumer_state_Q, _bound_keywords(score_mod_fn))
+        return FlashAttentionBackwardSm90.mma_one_m_block(
+            self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
+            mma_dov_fn, mma_pdo_fn, mma_dsq_fn, self._wrap_dq_gemm(mma_dsk_fn, m_block, is_dQ_wg),
+            copy_P_r2s, copy_dS_r2s, pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum,
+            softmax_scale_log2, PdS_barrier, is_dQ_wg=is_dQ_wg, mask_fn=mask_fn,
+            score_mod_fn=score_mod_fn, score_mod_bwd_fn=score_mod_bwd_fn,
+            dKV_accumulate=dKV_accumulate)
+
+    @cute.jit
+    def _prepare_round(self, m_block, consumer_state_Q, bound):
+        """Before FA4's round; bound: the batch, head, key tile and lengths FA4 binds into its
+        score hooks."""
         if const_expr(self._reads_key_bias()):
             # a bias broadcast along queries, read here, before the round's score and dP MMAs
             # are issued: read in the score hook (per element, or per key), its loads' address
             # arithmetic left ptxas short of registers for the MMAs in flight there, and it
             # serialised every warpgroup MMA of the kernel (C7512)
-            bound = _bound_keywords(score_mod_fn)
             bias_slot, grouped = self.score_mod.direct_bias[:2]
             bias = self._aux_tensors[bias_slot]
             last_k = bound["seqlen_info"].seqlen_k - 1
@@ -158,12 +172,10 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 at = hooks.pair_pointer(bias, grouped, bound["batch_idx"], bound["head_idx"], 0,
                                         cutlass.max(cutlass.min(k, last_k), 0))
                 self._key_bias[c] = cute.make_tensor(at, cute.make_layout(1)).load().to(Float32)[0]
-        return FlashAttentionBackwardSm90.mma_one_m_block(
-            self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
-            mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s, copy_dS_r2s, pipeline_Q,
-            pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum, softmax_scale_log2, PdS_barrier,
-            is_dQ_wg=is_dQ_wg, mask_fn=mask_fn, score_mod_fn=score_mod_fn,
-            score_mod_bwd_fn=score_mod_bwd_fn, dKV_accumulate=dKV_accumulate)
+
+    def _wrap_dq_gemm(self, mma_dsk_fn, m_block, is_dQ_wg):
+        """The round's dQ GEMM as FA4 is to call it (trace time; subclasses put work before it)."""
+        return mma_dsk_fn
 
     @cute.jit
     def _key_columns(self, n_block):

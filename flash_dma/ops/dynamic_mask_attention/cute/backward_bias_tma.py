@@ -49,7 +49,6 @@ from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
 from . import backward_bias, forward_bias_tma
-from .backward_bias import _bound_keywords
 from .forward_bias import fa4_class_swapped
 from .forward_bias_tma import bias_head_and_batch
 
@@ -215,26 +214,18 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                                   number_of_threads=self.num_mma_threads)
 
     @cute.jit
-    def mma_one_m_block(self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx,
-                        mma_qk_fn, mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s,
-                        copy_dS_r2s, pipeline_Q, pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum,
-                        softmax_scale_log2, PdS_barrier, is_dQ_wg=True, mask_fn=None,
-                        score_mod_fn=None, score_mod_bwd_fn=None, dKV_accumulate=True):
-        # the per-key bias read of a bias broadcast along queries lives in the parent's
-        # mma_one_m_block, which this one does not call (TMA takes full query dims only)
-        assert not self._reads_key_bias(), "a bias broadcast along queries takes no TMA path"
+    def _prepare_round(self, m_block, consumer_state_Q, bound):
+        backward_bias.DirectBiasBackwardSm90._prepare_round(self, m_block, consumer_state_Q, bound)
         if const_expr(self._spec() is not None):
-            bound = _bound_keywords(score_mod_fn)
             batch_idx, head_idx, n_block = bound["batch_idx"], bound["head_idx"], bound["n_block"]
             # this round's stage of Q, dO and dS (one index: FA4's stages are equal here)
             stage = consumer_state_Q.index
-            self._round = SimpleNamespace(stage=stage, phase=consumer_state_Q.phase)
+            self._round = SimpleNamespace(stage=stage, phase=consumer_state_Q.phase, m_block_max=None)
             if const_expr(self._stores_dbias()):
                 rows = cute.local_tile(self._tma.dbias[None, None, head_idx, batch_idx],
                                        (self.tile_m, self.tile_n), (None, n_block))
                 self._round.store, _, _ = copy_utils.tma_get_copy_fn(
                     self._tma.dbias_atom, 0, cute.make_layout(1), self._tma.sdS, rows)
-            m_block_max = None
             if const_expr(self._takes_bias()):
                 _, batch_broadcast, head_mode = self._spec().bias
                 head, batch = bias_head_and_batch(head_mode, batch_broadcast, head_idx, batch_idx,
@@ -243,7 +234,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                                        (self.tile_m, self.tile_n), (None, n_block))
                 self._round.load, _, _ = copy_utils.tma_get_copy_fn(
                     self._tma.bias_atom, 0, cute.make_layout(1), rows, self._tma.sdS)
-                m_block_min, m_block_max = self._tma.block_info.get_m_block_min_max(
+                m_block_min, self._round.m_block_max = self._tma.block_info.get_m_block_min_max(
                     bound["seqlen_info"], n_block)
                 if _is_tma_warp():
                     if m_block == m_block_min:
@@ -251,16 +242,13 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
                         # from the round before (_issue_tma_then)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         self._load_bias(m_block, stage)
-            if const_expr(is_dQ_wg):
-                # FA4 calls the dQ GEMM right after the fence and barrier that publish this
-                # round's dS tile: our TMA goes out just before it
-                mma_dsk_fn = functools.partial(self._issue_tma_then, mma_dsk_fn, m_block, m_block_max)
-        return FlashAttentionBackwardSm90.mma_one_m_block(
-            self, m_block, consumer_state_Q, consumer_state_dO, warp_group_idx, mma_qk_fn,
-            mma_dov_fn, mma_pdo_fn, mma_dsq_fn, mma_dsk_fn, copy_P_r2s, copy_dS_r2s, pipeline_Q,
-            pipeline_dO, tLSEsLSE, tLSEsdPsum, tdQsdQaccum, softmax_scale_log2, PdS_barrier,
-            is_dQ_wg=is_dQ_wg, mask_fn=mask_fn, score_mod_fn=score_mod_fn,
-            score_mod_bwd_fn=score_mod_bwd_fn, dKV_accumulate=dKV_accumulate)
+
+    def _wrap_dq_gemm(self, mma_dsk_fn, m_block, is_dQ_wg):
+        if self._spec() is not None and is_dQ_wg:
+            # FA4 calls the dQ GEMM right after the fence and barrier that publish this round's
+            # dS tile: our TMA goes out just before it
+            return functools.partial(self._issue_tma_then, mma_dsk_fn, m_block, self._round.m_block_max)
+        return mma_dsk_fn
 
     @cute.jit
     def _issue_tma_then(self, mma_dsk_fn, m_block, m_block_max, A_idx, wg_wait):
@@ -319,7 +307,7 @@ class TmaBiasBackwardSm90(backward_bias.DirectBiasBackwardSm90):
 
 
 # The overrides take FA4's arguments as they are: the same annotations (the DSL reads them).
-for _name in ("__call__", "mma_one_m_block"):
+for _name in ("__call__",):
     getattr(TmaBiasBackwardSm90, _name).__wrapped__.__annotations__ = dict(
         getattr(FlashAttentionBackwardSm90, _name).__wrapped__.__annotations__)
 
