@@ -230,8 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_cases(text: str | None) -> list[str] | None:
-    """'a, b' -> ['a', 'b']; None or empty -> None (every case)."""
-    labels = [part.strip() for part in (text or "").split(",") if part.strip()]
+    """'a, b' -> ['a', 'b']; None or empty -> None (every case). Commas inside brackets belong to
+    the label ('B2 H16 S4096 D128 bias[B,H,S,S]')."""
+    labels, part, depth = [], "", 0
+    for ch in (text or "") + ",":
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            labels.append(part.strip())
+            part = ""
+        else:
+            part += ch
+    labels = [label for label in labels if label]
     return labels or None
 
 

@@ -167,6 +167,9 @@ def test_op_plan_cases_by_label():
     from flash_dma.cli import parse_cases
     assert parse_cases(" B8 T4096 H32 , B1 T8192 H16 h0+ht") == ["B8 T4096 H32", "B1 T8192 H16 h0+ht"]
     assert parse_cases("") is None and parse_cases(None) is None
+    assert parse_cases("B2 H16 S4096 D128 bias[B,H,S,S], B4 H16 S4096 D64,B1 H16 S16384 D128 top-1024 "
+                       "keys bias[B,H,1,S]") == ["B2 H16 S4096 D128 bias[B,H,S,S]", "B4 H16 S4096 D64",
+                                                 "B1 H16 S16384 D128 top-1024 keys bias[B,H,1,S]"]
     args = build_parser().parse_args(["bench", "gdn", "--cases", "B8 T4096 H32"])
     assert args.cases == "B8 T4096 H32"
 
