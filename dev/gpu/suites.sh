@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# The attention GPU suite on both backends and the CuTe compute-sanitizer grid, one job per GPU
-# where there are several (on one GPU they run one after another). Logs and a summary in $OUT.
-# Usage: . dev/gpu/env.sh && bash dev/gpu/suites.sh [workers per suite]
+# GPU suites side by side: each argument is JOB@GPU; jobs on one GPU run one after another, GPUs
+# run at once. Jobs: auto, triton (the attention suite on that backend), memcheck, racecheck (the
+# CuTe compute-sanitizer grid with biases), gdn (the delta rule's GPU tests). Logs in $OUT.
+# Usage: . dev/gpu/env.sh && bash dev/gpu/suites.sh auto@0 triton@1 memcheck@2 racecheck@3
+# Each job stops at LIMIT seconds (default 560).
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-workers=${1:-12}
-ngpu=$(nvidia-smi -L | wc -l)
-suite=(tests/ops/dynamic_mask_attention tests/layers tests/test_autograd.py tests/test_cuda_graphs.py
-       tests/test_large_offsets.py -k "not gdn and not gated" -q -m gpu -p no:cacheprovider)
-jobs=(
-  "FLASH_DMA_BACKEND=auto python3 -m pytest ${suite[*]@Q} -n $workers"
-  "FLASH_DMA_BACKEND=triton python3 -m pytest ${suite[*]@Q} -n $workers"
-  "compute-sanitizer --tool memcheck --report-api-errors no python3 bench/cute_sanitize_grid.py --cute-bias"
-  "compute-sanitizer --tool racecheck python3 bench/cute_sanitize_grid.py --cute-bias"
+workers=${WORKERS:-12}
+attention="tests/ops/dynamic_mask_attention tests/layers tests/test_autograd.py tests/test_cuda_graphs.py tests/test_large_offsets.py -k 'not gdn and not gated'"
+declare -A cmd=(
+  [auto]="FLASH_DMA_BACKEND=auto python3 -m pytest $attention -q -m gpu -p no:cacheprovider -n $workers"
+  [triton]="FLASH_DMA_BACKEND=triton python3 -m pytest $attention -q -m gpu -p no:cacheprovider -n $workers"
+  [gdn]="python3 -m pytest tests/ops/gated_delta_rule tests/layers -k 'gdn or gated or delta' -q -m gpu -p no:cacheprovider -n $workers"
+  [memcheck]="compute-sanitizer --tool memcheck --report-api-errors no python3 bench/cute_sanitize_grid.py --cute-bias"
+  [racecheck]="compute-sanitizer --tool racecheck python3 bench/cute_sanitize_grid.py --cute-bias"
 )
-names=(auto triton memcheck racecheck)
-pids=()
-for i in "${!jobs[@]}"; do
-  gpu=$(( i % ngpu ))
-  if [ "$ngpu" -ge "${#jobs[@]}" ]; then
-    (CUDA_VISIBLE_DEVICES=$gpu timeout ${LIMIT:-560} bash -c "${jobs[$i]}" > "$out/${names[$i]}.log" 2>&1; echo "rc=$?" >> "$out/${names[$i]}.log") &
-    pids+=($!)
-  else
-    CUDA_VISIBLE_DEVICES=$gpu bash -c "${jobs[$i]}" > "$out/${names[$i]}.log" 2>&1; echo "rc=$?" >> "$out/${names[$i]}.log"
-  fi
+declare -A lane
+for arg in "$@"; do lane[${arg#*@}]+="${arg%@*} "; done
+start=$(date +%s)
+for gpu in "${!lane[@]}"; do
+  (for job in ${lane[$gpu]}; do
+     left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
+     CUDA_VISIBLE_DEVICES=$gpu timeout $left bash -c "${cmd[$job]}" > "$out/$job.log" 2>&1
+     echo "rc=$? after $(( $(date +%s) - start )) s" >> "$out/$job.log"
+   done) &
 done
-wait "${pids[@]}" 2>/dev/null
-for n in "${names[@]}"; do echo "== $n"; grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|rc=" "$out/$n.log" | tail -4; done | tee "$out/summary.txt"
+wait
+for arg in "$@"; do j=${arg%@*}; echo "== $j"; grep -E "passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|cases ok|rc=" "$out/$j.log" | tail -4; done | tee -a "$out/summary.txt"
