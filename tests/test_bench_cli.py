@@ -75,6 +75,7 @@ def test_plot_or_clear_refusal(tmp_path):
 
 def test_missing_peer_is_a_note_not_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_dmattn_triton", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "flash_sparse_attn.deprecated.flash_dmattn_triton", None)
     reason = attention.peer_available("flash-dmattn")
     assert reason is not None and "flash-dmattn" in reason
     assert attention.peer_available("sdpa-cudnn") is None

@@ -166,8 +166,18 @@ def flex(case: AttnCase, x: Inputs):
     return fwd, [q, k, v] + ([bias] if bias is not None else []), dout, True
 
 
+def _flash_dmattn_func():
+    """flash-dmattn 1.2.2's Triton mask+bias kernel: shipped inside flash-sparse-attn 2.0.6 as
+    flash_sparse_attn.deprecated.flash_dmattn_triton, or importable on its own."""
+    try:
+        from flash_sparse_attn.deprecated.flash_dmattn_triton import triton_dmattn_func
+    except ImportError:
+        from flash_dmattn_triton import triton_dmattn_func
+    return triton_dmattn_func
+
+
 def flash_dmattn(case: AttnCase, x: Inputs):
-    from flash_dmattn_triton import triton_dmattn_func  # the peer, from .peers/ (not a dependency)
+    triton_dmattn_func = _flash_dmattn_func()  # the peer, from .peers/ (not a dependency)
     (q, k, v), bias = _leaves(x, True, False)
     B, H, S = case.B, case.H, case.S
     mask = x.mask if x.mask is not None else torch.ones(B, H, S, S, device=q.device, dtype=torch.bool)
@@ -227,7 +237,7 @@ def peer_available(name: str) -> str | None:
         elif name.startswith("sdpa"):
             import torch.nn.attention  # noqa: F401
         elif name == "flash-dmattn":
-            import flash_dmattn_triton  # noqa: F401
+            _flash_dmattn_func()
         elif name == "fa4":
             import flash_attn.cute  # noqa: F401
         elif name == "flash-sparse-attn":
