@@ -7,11 +7,11 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 workers=${WORKERS:-12}
-attention="tests/ops/dynamic_mask_attention tests/layers tests/test_autograd.py tests/test_cuda_graphs.py tests/test_large_offsets.py -k 'not gdn and not gated'"
+attention="tests/ops/dynamic_mask_attention tests/layers tests/test_autograd.py tests/test_cuda_graphs.py tests/test_large_offsets.py tests/ops/test_rows_outside_sequences.py -k 'not gdn and not gated'"
 declare -A cmd=(
-  [auto]="FLASH_DMA_BACKEND=auto python3 -m pytest $attention -q -m gpu -p no:cacheprovider -n $workers"
-  [triton]="FLASH_DMA_BACKEND=triton python3 -m pytest $attention -q -m gpu -p no:cacheprovider -n $workers"
-  [gdn]="python3 -m pytest tests/ops/gated_delta_rule tests/layers -k 'gdn or gated or delta' -q -m gpu -p no:cacheprovider -n $workers"
+  [auto]="FLASH_DMA_BACKEND=auto python3 -m pytest $attention -q -p no:cacheprovider -n $workers"
+  [triton]="FLASH_DMA_BACKEND=triton python3 -m pytest $attention -q -p no:cacheprovider -n $workers"
+  [gdn]="python3 -m pytest tests/ops/gated_delta_rule tests/layers -k 'gdn or gated or delta' -q -p no:cacheprovider -n $workers"
   [memcheck]="compute-sanitizer --tool memcheck --report-api-errors no python3 bench/cute_sanitize_grid.py --cute-bias"
   [racecheck]="compute-sanitizer --tool racecheck python3 bench/cute_sanitize_grid.py --cute-bias"
 )
