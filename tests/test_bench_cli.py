@@ -157,6 +157,9 @@ def test_op_plan_covers_the_issue():
     assert shapes == {(4, 4096, 16, 128, 128), (1, 8192, 16, 128, 128), (1, 32768, 16, 128, 128),
                       (8, 4096, 32, 128, 128), (2, 8192, 8, 256, 256)}
     assert len(gdn.op_plan(quick=True)) >= 1
+    packed = [c for c in gdn.op_plan(quick=False) if c.seqlens is not None]
+    assert len(packed) == 1 and packed[0].label.startswith("varlen N")
+    assert 20 <= len(packed[0].seqlens) <= 25 and sum(packed[0].seqlens) == packed[0].T == 32768
 
 
 def test_op_plan_cases_by_label():
@@ -359,6 +362,22 @@ def test_op_section_with_and_without_a_peer(monkeypatch):
     assert any("FLA) not installed" in n for n in notes)
     assert all(r.peer_ms is None and r.ours_ms == 1.0 for r in sec.rows)
     assert "n/a" in format_report("t", ENV, [sec])
+
+
+def test_op_case_packed_sequences_reach_both_sides_as_cu_seqlens():
+    seen = []
+
+    def recording(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+        seen.append((cu_seqlens.tolist(), None if initial_state is None else tuple(initial_state.shape)))
+        o, _ = gdn.recurrence_reference(q, k, v, g, beta)  # (the sequences' boundaries aside)
+        return o, initial_state * 2 if output_final_state else None
+
+    fla = SimpleNamespace(op=recording, kda=None)
+    case = gdn.OpCase(1, 20, 2, 8, 8, states=True, seqlens=(7, 1, 12))
+    rows = gdn.run_op_case(case, recording, fla, [], device="cpu", timer=fake_timer)
+    assert rows[0].config == "varlen N3 B1 T20 H2 K8 V8 h0+ht fwd"
+    assert seen and all(s == ([0, 7, 8, 20], (3, 2, 8, 8)) for s in seen)
+    assert all(r.speedup == 1.0 for r in rows)
 
 
 def _fake_flash_qla(calls: list[int]):

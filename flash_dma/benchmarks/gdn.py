@@ -150,11 +150,13 @@ class OpCase:
     # across thousands of tokens, so no method may drop what a partition inherits (FlashQLA's
     # split of one sequence truncates below e^-10 and costs little with strong decays)
     slow_decay: bool = False
+    seqlens: tuple[int, ...] | None = None  # packed sequences (B == 1, sum == T), given as cu_seqlens
 
     @property
     def label(self) -> str:
         dims = "" if (self.K, self.V) == (128, 128) else f" K{self.K} V{self.V}"
-        return (f"B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
+        packed = f"varlen N{len(self.seqlens)} " if self.seqlens is not None else ""
+        return (f"{packed}B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
                 f"{' h0+ht' if self.states else ''}{' slow-decay' if self.slow_decay else ''}")
 
     @property
@@ -168,7 +170,9 @@ def op_plan(quick: bool, cases: Sequence[str] | None = None) -> list[OpCase]:
     FLA's first-call autotuning takes longer than some machines lend in one go)."""
     full = [OpCase(4, 4096, 16), OpCase(1, 8192, 16), OpCase(1, 32768, 16), OpCase(8, 4096, 32),
             OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True),
-            OpCase(2, 4096, 16, per_key_gate=True), OpCase(1, 32768, 16, slow_decay=True)]
+            OpCase(2, 4096, 16, per_key_gate=True), OpCase(1, 32768, 16, slow_decay=True),
+            # the issue's packed batch: 20-25 sequences (seeded lengths) filling T = 32768
+            OpCase(1, 32768, 16, seqlens=varlen_lengths(32768, VARLEN_SEED))]
     if cases:
         by_label = {c.label: c for c in full}
         unknown = [c for c in cases if c not in by_label]
@@ -335,8 +339,10 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
                                              + (7 if case.slow_decay else 2)),
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
-    x["h0"] = randn(B, H, K, V) * 0.1 if case.states else None
-    x["dht"] = randn(B, H, K, V) * 0.1 if case.states else None
+    N = B if case.seqlens is None else len(case.seqlens)
+    x["h0"] = randn(N, H, K, V) * 0.1 if case.states else None
+    x["dht"] = randn(N, H, K, V) * 0.1 if case.states else None
+    x["cu_seqlens"] = None if case.seqlens is None else _cu_seqlens(case.seqlens, device)
     return x
 
 
@@ -647,9 +653,11 @@ def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
     if h0 is not None:
         leaves.append(h0)
 
+    packed = {} if x.get("cu_seqlens") is None else {"cu_seqlens": x["cu_seqlens"]}
+
     def fwd():
         q, k, v, g, beta = leaves[:5]
-        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=case.states)
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=case.states, **packed)
 
     def targets(out):
         o, ht = out
