@@ -179,3 +179,14 @@ def test_gdn_describe_follows_the_shape():
         gdn_plan.describe("B=1 Q=3")
     with pytest.raises(ValueError, match="B must be 1"):
         gdn_plan.describe("B=2 T=64 varlen")
+
+
+def test_gdn_sweep_cases_stay_usable_after_the_generator_moves_on(monkeypatch):
+    """Every case's timing closure runs the op with its candidate and checks the result, also when
+    the cases were all collected before any ran (each gate's inputs live as long as its cases)."""
+    make = gdn_tune.make_inputs
+    monkeypatch.setattr(gdn_tune, "make_inputs", lambda *a, **k: make(*a, **{**k, "dtype": torch.float16}))
+    collected = list(gdn_tune.cases(torch.device("cpu"), True, shape=dict(B=1, T=70, H=1, K=64, V=64),
+                                    timer=lambda fn: 1.0))
+    assert {c.label.split()[-1] for c in collected} == set(gdn_tune.GATES)
+    assert all(c.time_config(c.candidates[0]) == 1.0 for c in collected)

@@ -117,7 +117,7 @@ def make_attention_function():
             return fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal, kwargs)
 
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        q_length, kv_length = q.shape[1], k.shape[1]
+        q_length = q.shape[1]
         bias = position_bias
         mask = None
         if attention_mask is not None and attention_mask.dim() == 2:

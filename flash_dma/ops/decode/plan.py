@@ -6,7 +6,6 @@ long enough run of keys to be worth its setup and its partial's write-back and m
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -11,8 +11,6 @@ inside one graph node each (fullgraph=True and dynamic shapes work).
 """
 from __future__ import annotations
 
-import torch
-
 from ...runtime.custom_ops import use_custom_ops
 from ...runtime.hardware import device_guard
 from .autograd import DynamicMaskAttentionFunction

@@ -76,47 +76,54 @@ def cases(device: torch.device, quick: bool, head_dims: Sequence[int] | None = N
     dtype = torch.bfloat16
     for d in head_dims or (QUICK_HEAD_DIMS if quick else HEAD_DIMS):
         for variant in variants:
-            H = 16 if d <= 128 else 8
-            B, S = 2, 4096
-            q, k, v = (torch.randn(B, S, H, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            bias = (torch.randn(B, H, S, S, device=device, dtype=dtype, requires_grad=True)
-                    if variant == "bias" else None)
-            leaves = [q, k, v] + ([bias] if bias is not None else [])
-            dout = torch.randn_like(q)
-
-            def forward():
-                return flash_dma_func(q, k, v, attn_bias=bias, is_causal=causal)
-
-            # what the op runs at this shape with its current choices: the variant each kernel
-            # asks for, and the results a candidate must reproduce
-            out = forward()
-            plans = _record_plans(lambda: torch.autograd.grad(out, leaves, dout))
-            reference = [out.detach()] + [g.detach() for g in torch.autograd.grad(forward(), leaves, dout)]
-            passes = [plans[0].forward, plans[1].dkdv, plans[1].dq]
-            for kernel in kernels:
-                asked = next((p.variant for p in passes if p is not None and p.kernel == kernel), None)
-                if asked is None:  # (e.g. the dq kernel where dq is fused into the key-major pass)
-                    continue
-
-                def time_config(cfg, kernel=kernel):
-                    with config.overrides(**{kernel: cfg}):
-                        out = forward()
-                        grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-                        for ours, ref in zip([out] + list(grads), reference):
-                            err = _relative_error(ours, ref)
-                            if not err <= WRONG_RESULT:  # (NaN fails too)
-                                raise ValueError(f"wrong result: relative error {err:.3g}")
-                        if kernel == "attn_fwd":
-                            return timer(forward)
-                        return timer(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-
-                yield TuneCase(kernel, device, d, dtype, asked,
-                               candidates_for(kernel, config.head_dim_block(d), dtype, asked, info, quick),
-                               time_config, label=f"{kernel} D{d} {asked}" + (" causal" if causal else ""))
-            del q, k, v, bias, leaves, dout, out, reference  # free before the next shape
+            # one generator per shape: its tensors are freed when it ends, while each yielded
+            # case's timing closure keeps them alive for as long as the case is used
+            yield from _shape_cases(device, quick, d, variant, kernels, causal, timer, info, dtype,
+                                    TuneCase, flash_dma_func)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _shape_cases(device, quick, d, variant, kernels, causal, timer, info, dtype, TuneCase,
+                 flash_dma_func) -> Iterator:
+    H = 16 if d <= 128 else 8
+    B, S = 2, 4096
+    q, k, v = (torch.randn(B, S, H, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    bias = (torch.randn(B, H, S, S, device=device, dtype=dtype, requires_grad=True)
+            if variant == "bias" else None)
+    leaves = [q, k, v] + ([bias] if bias is not None else [])
+    dout = torch.randn_like(q)
+
+    def forward():
+        return flash_dma_func(q, k, v, attn_bias=bias, is_causal=causal)
+
+    # what the op runs at this shape with its current choices: the variant each kernel
+    # asks for, and the results a candidate must reproduce
+    out = forward()
+    plans = _record_plans(lambda: torch.autograd.grad(out, leaves, dout))
+    reference = [out.detach()] + [g.detach() for g in torch.autograd.grad(forward(), leaves, dout)]
+    passes = [plans[0].forward, plans[1].dkdv, plans[1].dq]
+    for kernel in kernels:
+        asked = next((p.variant for p in passes if p is not None and p.kernel == kernel), None)
+        if asked is None:  # (e.g. the dq kernel where dq is fused into the key-major pass)
+            continue
+
+        def time_config(cfg, kernel=kernel):
+            with config.overrides(**{kernel: cfg}):
+                out = forward()
+                grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+                for ours, ref in zip([out] + list(grads), reference):
+                    err = _relative_error(ours, ref)
+                    if not err <= WRONG_RESULT:  # (NaN fails too)
+                        raise ValueError(f"wrong result: relative error {err:.3g}")
+                if kernel == "attn_fwd":
+                    return timer(forward)
+                return timer(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+        yield TuneCase(kernel, device, d, dtype, asked,
+                       candidates_for(kernel, config.head_dim_block(d), dtype, asked, info, quick),
+                       time_config, label=f"{kernel} D{d} {asked}" + (" causal" if causal else ""))
 
 
 def spills_seen(kernel: str, device: torch.device) -> list[int]:

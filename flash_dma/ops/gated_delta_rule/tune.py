@@ -106,44 +106,50 @@ def cases(device: torch.device, quick: bool, shape: dict | None = None, gates=GA
     from . import chunk_gated_delta_rule
     timer = timer or time_ms
     shape = dict(shape or SHAPE)
-    K, V = shape["K"], shape["V"]
     for gate in gates:
-        leaves = make_inputs(device, gate, **shape)
-        q, k, v, decay, beta = leaves
-
-        def forward():
-            g, gk = (None, decay) if gate == "gk" else (decay, None)
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, gk=gk)
-            return o
-
-        with _PassRecorder() as fwd_passes:
-            out = forward()
-        do = torch.randn_like(out)
-        with _PassRecorder() as bwd_passes:
-            grads = torch.autograd.grad(out, leaves, do)
-        reference = [out.detach()] + [g.detach() for g in grads]
-        label_shape = " ".join(f"{n}={shape[n]}" for n in ("B", "T", "H", "K", "V"))
-        for pass_name in fwd_passes.seen + [p for p in bwd_passes.seen if p not in fwd_passes.seen]:
-            if pass_name in UNTUNED:
-                continue
-            forward_only = pass_name not in bwd_passes.seen
-
-            def time_config(cfg, pass_name=pass_name, forward_only=forward_only):
-                with config.overrides(**{f"gdn_{pass_name}": cfg}):
-                    out = forward()
-                    grads = torch.autograd.grad(out, leaves, do)
-                    for ours, ref in zip([out] + list(grads), reference):
-                        err = _relative_error(ours, ref)
-                        if not err <= WRONG_RESULT:  # (NaN fails too)
-                            raise ValueError(f"wrong result: relative error {err:.3g}")
-                    if forward_only:
-                        return timer(forward)
-                    return timer(lambda: torch.autograd.grad(forward(), leaves, do))
-
-            yield TuneCase(f"gdn_{pass_name}", device, K, q.dtype, f"V{V}",
-                           candidates_for(pass_name, K, V, quick), time_config,
-                           cache_key=launch_table.cache_key(pass_name, K, V, device),
-                           label=f"gdn {pass_name} {label_shape} {gate}")
-        del leaves, q, k, v, decay, beta, out, do, grads, reference
+        # one generator per gate: its inputs and reference outputs are freed when it ends, while
+        # each yielded case's timing closure keeps them alive for as long as the case is used
+        yield from _gate_cases(device, gate, shape, quick, timer, TuneCase, chunk_gated_delta_rule)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _gate_cases(device, gate, shape, quick, timer, TuneCase, chunk_gated_delta_rule) -> Iterator:
+    K, V = shape["K"], shape["V"]
+    leaves = make_inputs(device, gate, **shape)
+    q, k, v, decay, beta = leaves
+
+    def forward():
+        g, gk = (None, decay) if gate == "gk" else (decay, None)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, gk=gk)
+        return o
+
+    with _PassRecorder() as fwd_passes:
+        out = forward()
+    do = torch.randn_like(out)
+    with _PassRecorder() as bwd_passes:
+        grads = torch.autograd.grad(out, leaves, do)
+    reference = [out.detach()] + [g.detach() for g in grads]
+    label_shape = " ".join(f"{n}={shape[n]}" for n in ("B", "T", "H", "K", "V"))
+    for pass_name in fwd_passes.seen + [p for p in bwd_passes.seen if p not in fwd_passes.seen]:
+        if pass_name in UNTUNED:
+            continue
+        forward_only = pass_name not in bwd_passes.seen
+
+        def time_config(cfg, pass_name=pass_name, forward_only=forward_only):
+            with config.overrides(**{f"gdn_{pass_name}": cfg}):
+                out = forward()
+                grads = torch.autograd.grad(out, leaves, do)
+                for ours, ref in zip([out] + list(grads), reference):
+                    err = _relative_error(ours, ref)
+                    if not err <= WRONG_RESULT:  # (NaN fails too)
+                        raise ValueError(f"wrong result: relative error {err:.3g}")
+                if forward_only:
+                    return timer(forward)
+                return timer(lambda: torch.autograd.grad(forward(), leaves, do))
+
+        yield TuneCase(f"gdn_{pass_name}", device, K, q.dtype, f"V{V}",
+                       candidates_for(pass_name, K, V, quick), time_config,
+                       cache_key=launch_table.cache_key(pass_name, K, V, device),
+                       label=f"gdn {pass_name} {label_shape} {gate}")
+
