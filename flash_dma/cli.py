@@ -235,11 +235,15 @@ def parse_cases(text: str | None) -> list[str] | None:
     labels, part, depth = [], "", 0
     for ch in (text or "") + ",":
         depth += (ch == "[") - (ch == "]")
+        if depth < 0:
+            raise ValueError(f"--cases: a ']' without its '[' in {text!r}")
         if ch == "," and depth == 0:
             labels.append(part.strip())
             part = ""
         else:
             part += ch
+    if depth:
+        raise ValueError(f"--cases: a '[' without its ']' in {text!r}")
     labels = [label for label in labels if label]
     return labels or None
 

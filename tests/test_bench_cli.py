@@ -160,6 +160,10 @@ def test_op_plan_covers_the_issue():
     packed = [c for c in gdn.op_plan(quick=False) if c.seqlens is not None]
     assert len(packed) == 1 and packed[0].label.startswith("varlen N")
     assert 20 <= len(packed[0].seqlens) <= 25 and sum(packed[0].seqlens) == packed[0].T == 32768
+    with pytest.raises(ValueError, match="B == 1"):
+        gdn.OpCase(2, 20, 2, seqlens=(10, 10))
+    with pytest.raises(ValueError, match="summing to T"):
+        gdn.OpCase(1, 20, 2, seqlens=(10, 9))
 
 
 def test_op_plan_cases_by_label():
@@ -174,6 +178,9 @@ def test_op_plan_cases_by_label():
     assert parse_cases("B2 H16 S4096 D128 bias[B,H,S,S], B4 H16 S4096 D64,B1 H16 S16384 D128 top-1024 "
                        "keys bias[B,H,1,S]") == ["B2 H16 S4096 D128 bias[B,H,S,S]", "B4 H16 S4096 D64",
                                                  "B1 H16 S16384 D128 top-1024 keys bias[B,H,1,S]"]
+    for unbalanced in ("a],b", "B2 H16 S4096 D128 bias[B,H,S,S,b", "a,b]"):
+        with pytest.raises(ValueError, match="--cases"):
+            parse_cases(unbalanced)
     args = build_parser().parse_args(["bench", "gdn", "--cases", "B8 T4096 H32"])
     assert args.cases == "B8 T4096 H32"
 

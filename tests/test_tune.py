@@ -189,4 +189,7 @@ def test_gdn_sweep_cases_stay_usable_after_the_generator_moves_on(monkeypatch):
     collected = list(gdn_tune.cases(torch.device("cpu"), True, shape=dict(B=1, T=70, H=1, K=64, V=64),
                                     timer=lambda fn: 1.0))
     assert {c.label.split()[-1] for c in collected} == set(gdn_tune.GATES)
-    assert all(c.time_config(c.candidates[0]) == 1.0 for c in collected)
+    for case in collected:  # each case runs its own gate's inputs: its pass is among those launched
+        with gdn_tune._PassRecorder() as launched:
+            assert case.time_config(case.candidates[0]) == 1.0
+        assert case.kernel.removeprefix("gdn_") in launched.seen, (case.label, launched.seen)

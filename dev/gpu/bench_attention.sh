@@ -20,7 +20,7 @@ start=$(date +%s)
 for gpu in "${!lane[@]}"; do
   (for i in ${lane[$gpu]}; do
      left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
-     [ "$left" -gt 0 ] || break  # (timeout 0 would mean no limit)
+     if [ "$left" -le 0 ]; then echo "skipped: no time left" > "/tmp/bench-$i.log"; break; fi  # (timeout 0: no limit)
      CUDA_VISIBLE_DEVICES=$gpu timeout $left python3 -m flash_dma.cli bench attention --cases "${groups[$i]%,}" \
        --report "$out/attention-$i.txt" --json "$out/attention-$i.json" > "/tmp/bench-$i.log" 2>&1
      echo "rc=$? after $(( $(date +%s) - start )) s" >> "/tmp/bench-$i.log"

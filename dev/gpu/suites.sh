@@ -21,7 +21,7 @@ start=$(date +%s)
 for gpu in "${!lane[@]}"; do
   (for job in ${lane[$gpu]}; do
      left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
-     [ "$left" -gt 0 ] || break  # (timeout 0 would mean no limit)
+     if [ "$left" -le 0 ]; then echo "skipped: no time left" > "$out/$job.log"; break; fi  # (timeout 0: no limit)
      CUDA_VISIBLE_DEVICES=$gpu timeout $left bash -c "${cmd[$job]}" > "$out/$job.log" 2>&1
      echo "rc=$? after $(( $(date +%s) - start )) s" >> "$out/$job.log"
    done) &

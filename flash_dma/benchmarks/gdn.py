@@ -152,6 +152,11 @@ class OpCase:
     slow_decay: bool = False
     seqlens: tuple[int, ...] | None = None  # packed sequences (B == 1, sum == T), given as cu_seqlens
 
+    def __post_init__(self):
+        if self.seqlens is not None and (self.B != 1 or sum(self.seqlens) != self.T):
+            raise ValueError(f"OpCase: packed sequences need B == 1 and lengths summing to T; got B={self.B}, "
+                             f"T={self.T}, sum={sum(self.seqlens)}")
+
     @property
     def label(self) -> str:
         dims = "" if (self.K, self.V) == (128, 128) else f" K{self.K} V{self.V}"
@@ -162,7 +167,7 @@ class OpCase:
     @property
     def family(self) -> tuple:
         """What FLA's autotuning keys on (heads, head dims, its op): a new family autotunes again."""
-        return (self.H, self.K, self.V, self.per_key_gate)
+        return (self.H, self.K, self.V, self.per_key_gate, self.seqlens is not None)
 
 
 def op_plan(quick: bool, cases: Sequence[str] | None = None) -> list[OpCase]:

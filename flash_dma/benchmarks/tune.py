@@ -10,6 +10,7 @@ compile, launch or compute the right output is skipped.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,9 +100,13 @@ def run(ops: Iterable[str], quick: bool, progress_factory: Callable[[str], Calla
         for case in cases(op, quick, device):
             progress = progress_factory(case.label or case.kernel) if progress_factory else None
             try:
-                outcomes.append(sweep_case(case, progress))
+                outcome = sweep_case(case, progress)
             except RuntimeError as exc:  # no candidate ran
-                outcomes.append(TuneOutcome(case, None, errors={"all": str(exc)}))
+                outcome = TuneOutcome(case, None, errors={"all": str(exc)})
+            # the timing closure holds the shape's inputs and reference results: let them go
+            outcome.case = dataclasses.replace(case, time_config=None)
+            outcomes.append(outcome)
+            del case
     return outcomes
 
 

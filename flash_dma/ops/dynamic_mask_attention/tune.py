@@ -76,8 +76,8 @@ def cases(device: torch.device, quick: bool, head_dims: Sequence[int] | None = N
     dtype = torch.bfloat16
     for d in head_dims or (QUICK_HEAD_DIMS if quick else HEAD_DIMS):
         for variant in variants:
-            # one generator per shape: its tensors are freed when it ends, while each yielded
-            # case's timing closure keeps them alive for as long as the case is used
+            # one generator per shape, which owns its tensors: each yielded case's timing closure
+            # keeps them for as long as the case is kept (the sweep drops it once timed)
             yield from _shape_cases(device, quick, d, variant, kernels, causal, timer, info, dtype,
                                     TuneCase, flash_dma_func)
             if device.type == "cuda":

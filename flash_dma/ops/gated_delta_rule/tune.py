@@ -107,8 +107,8 @@ def cases(device: torch.device, quick: bool, shape: dict | None = None, gates=GA
     timer = timer or time_ms
     shape = dict(shape or SHAPE)
     for gate in gates:
-        # one generator per gate: its inputs and reference outputs are freed when it ends, while
-        # each yielded case's timing closure keeps them alive for as long as the case is used
+        # one generator per gate, which owns its tensors: each yielded case's timing closure
+        # keeps them for as long as the case is kept (the sweep drops it once timed)
         yield from _gate_cases(device, gate, shape, quick, timer, TuneCase, chunk_gated_delta_rule)
         if device.type == "cuda":
             torch.cuda.empty_cache()
