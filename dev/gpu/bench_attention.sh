@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `flash-dma bench attention` split into groups of cases, one group per GPU, side by side (each
 # case still times ours and its peers in one process on one GPU). Reports and JSON in $OUT.
-# Usage: . dev/gpu/env.sh && bash dev/gpu/bench_attention.sh [GROUP@GPU ...] (default: 0@0 ... 4@3)
-# A group is one or more cases; flash-sparse-attn autotunes 30-60 s per plain shape.
+# Usage: . dev/gpu/env.sh && bash dev/gpu/bench_attention.sh [GROUP@GPU ...] (default below)
+# A group is an index into `groups`; flash-sparse-attn autotunes 30-60 s per plain shape.
 set -uo pipefail
+. "$(dirname "$0")/lanes.sh"
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 plain() { for c in "$@"; do printf 'B4 H%s S4096 D%s,B4 H%s S4096 D%s causal,' ${c/x/ } ${c/x/ }; done; }
 groups=(
@@ -14,17 +15,14 @@ groups=(
   "$(plain 8x256)"
 )
 [ $# -gt 0 ] || set -- 0@0 1@1 2@2 3@2 4@3
-declare -A lane
-for arg in "$@"; do lane[${arg#*@}]+="${arg%@*} "; done
-start=$(date +%s)
-for gpu in "${!lane[@]}"; do
-  (for i in ${lane[$gpu]}; do
-     left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
-     if [ "$left" -le 0 ]; then echo "skipped: no time left" > "/tmp/bench-$i.log"; break; fi  # (timeout 0: no limit)
-     CUDA_VISIBLE_DEVICES=$gpu timeout $left python3 -m flash_dma.cli bench attention --cases "${groups[$i]%,}" \
-       --report "$out/attention-$i.txt" --json "$out/attention-$i.json" > "/tmp/bench-$i.log" 2>&1
-     echo "rc=$? after $(( $(date +%s) - start )) s" >> "/tmp/bench-$i.log"
-   done) &
-done
-wait
-tail -n 4 /tmp/bench-*.log
+group() {  # group INDEX GPU SECONDS
+  local log="$out/bench-$1.log"
+  if [ "$3" -le 0 ]; then echo "skipped: no time left" > "$log"; return; fi
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 10 "$3" python3 -m flash_dma.cli bench attention --cases "${groups[$1]%,}" \
+    --report "$out/attention-$1.txt" --json "$out/attention-$1.json" > "/tmp/bench-$1.log" 2>&1
+  echo "rc=$? on GPU $2" >> "/tmp/bench-$1.log"
+  tail -n 2 "/tmp/bench-$1.log" > "$log"
+}
+run_lanes group "$@"
+cat "$out"/bench-*.log
+rm -f "$out"/bench-*.log  # (what comes back is limited to 8 files: the reports and JSON)

@@ -4,24 +4,16 @@
 # Usage: . dev/gpu/env.sh && bash dev/gpu/bench_gdn.sh ["LABEL[,LABEL]@GPU" ...]
 # (default: the issue's five K = V = 128 shapes on GPUs 0-3, two on the last)
 set -uo pipefail
+. "$(dirname "$0")/lanes.sh"
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 [ $# -gt 0 ] || set -- "B4 T4096 H16@0" "B1 T8192 H16@1" "B1 T32768 H16@2" \
   "B8 T4096 H32@3" "varlen N20 B1 T32768 H16@3"
-declare -A lane
-for arg in "$@"; do lane[${arg##*@}]+="${arg%@*};"; done
-start=$(date +%s)
-for gpu in "${!lane[@]}"; do
-  (IFS=';'; n=0
-   for cases in ${lane[$gpu]}; do
-     [ -n "$cases" ] || continue
-     left=$(( ${LIMIT:-560} - ($(date +%s) - start) ))
-     [ "$left" -gt 0 ] || break
-     tag="g${gpu}n${n}"; n=$((n + 1))
-     CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 bench/bench_gdn.py --only gdn --cases "$cases" \
-       --tag "$tag" > "/tmp/gdn-$tag.log" 2>&1
-     echo "rc=$? after $(( $(date +%s) - start )) s" >> "/tmp/gdn-$tag.log"
-     cp bench/results/gdn-*-"$tag".txt "$out/" 2>/dev/null
-   done) &
-done
-wait
-tail -n 3 /tmp/gdn-*.log
+report() {  # report CASES GPU SECONDS
+  local tag; tag="g$2-$(echo "$1" | tr -c 'A-Za-z0-9' '_' | cut -c1-40)"
+  if [ "$3" -le 0 ]; then echo "skipped: no time left ($1)"; return; fi
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 10 "$3" python3 bench/bench_gdn.py --only gdn --cases "$1" \
+    --tag "$tag" > "/tmp/gdn-$tag.log" 2>&1
+  echo "rc=$? on GPU $2: $1"
+  cp bench/results/gdn-*-"$tag".txt "$out/" 2>/dev/null
+}
+run_lanes report "$@"
