@@ -144,7 +144,8 @@ def tune(args) -> int:
 _PEERS = (("flash_attn.cute", "FlashAttention-4 (CuTe DSL)", "flash-attn-4"),
           ("cutlass", "CuTe DSL", "nvidia-cutlass-dsl"),
           ("flash_sparse_attn", "flash-sparse-attn", "flash-sparse-attn"),
-          ("flash_dmattn", "flash-dmattn", "flash-dmattn"),
+          ("flash_dmattn", "flash-dmattn (its Triton kernel also ships inside flash-sparse-attn)",
+           "flash-dmattn"),
           ("fla", "flash-linear-attention", "flash-linear-attention"),
           ("flash_qla", "FlashQLA", "flash-qla"))
 

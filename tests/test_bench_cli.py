@@ -78,6 +78,19 @@ def test_missing_peer_is_a_note_not_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_sparse_attn.deprecated.flash_dmattn_triton", None)
     reason = attention.peer_available("flash-dmattn")
     assert reason is not None and "flash-dmattn" in reason
+    import importlib.abc
+    import importlib.util
+
+    class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):  # installed, but raises on import
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, self) if name == "flash_sparse_attn" else None
+
+        def exec_module(self, module):
+            raise RuntimeError("no kernels for this GPU")
+    monkeypatch.delitem(sys.modules, "flash_sparse_attn", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken()] + sys.meta_path)
+    reason = attention.peer_available("flash-sparse-attn")
+    assert reason is not None and "failed to import" in reason and "RuntimeError" in reason
     assert attention.peer_available("sdpa-cudnn") is None
 
 

@@ -244,6 +244,8 @@ def peer_available(name: str) -> str | None:
             import flash_sparse_attn  # noqa: F401
     except ImportError as exc:
         return f"{name} not installed ({exc.name})"
+    except Exception as exc:  # noqa: BLE001 - a peer that breaks on import is a note, not a crash
+        return f"{name} failed to import ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
     return None
 
 
