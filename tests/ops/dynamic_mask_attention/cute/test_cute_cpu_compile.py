@@ -92,10 +92,14 @@ MMA_VARIANTS = [
     pytest.param(["--dims", "64", "--pairs", "bias-keys"], id="key-bias-bf16-D64"),
     pytest.param(["--dims", "128", "--pairs", "bias-keys"], id="key-bias-bf16-D128"),
     pytest.param(["--dims", "128", "--pairs", "bias-keys-dbias"], id="key-bias-dbias-bf16-D128"),
-    # known: the dbias sums at D64, and the per-element atomic dbias of a shared bias
+    # known: work per element of dS in the score-gradient hook, while the round's fp32 dS is in
+    # registers: the dbias sums at D64, the per-element atomic dbias of a shared bias, and the
+    # per-element dbias store where TMA cannot take the bias (keys not a multiple of 8)
     pytest.param(["--dims", "64", "--pairs", "bias-keys-dbias"], id="key-bias-dbias-bf16-D64",
                  marks=pytest.mark.xfail(strict=True, reason=SERIALISED)),
     pytest.param(["--dims", "128", "--pairs", "bias-shared"], id="shared-bias-atomic-bf16-D128",
+                 marks=pytest.mark.xfail(strict=True, reason=SERIALISED)),
+    pytest.param(["--dims", "128", "--pairs", "bias"], id="bias-per-element-bf16-D128",
                  marks=pytest.mark.xfail(strict=True, reason=SERIALISED)),
 ]
 
