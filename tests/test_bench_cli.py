@@ -536,3 +536,22 @@ def test_gdn_peak_memory_note():
     assert line == "peak memory of one fwd+bwd above the live set, MiB, B1 T32768 H16: ours 812, FLA 1024"
     assert gdn.peak_memory_note("x", {"ours": result(None)}) is None
     assert gdn._peak_mib(lambda: None, "cpu") is None
+
+
+def test_attention_compacted_peer_runs_ours_over_the_kept_keys(monkeypatch):
+    """The top-k row's "ours-compacted" peer: our call with attention_keywise_compaction on."""
+    from flash_dma import topk_mask_from_bias
+    from flash_dma.benchmarks import attention
+    from flash_dma.ops.dynamic_mask_attention import compaction
+    calls = []
+    real = compaction.compact
+    monkeypatch.setattr(compaction, "compact", lambda *a: calls.append(a[-1].shape[-1]) or real(*a))
+    case = attention.AttnCase("tiny top-8", 1, 2, 40, 16, bias="key", mask="topk-8")
+    q, k, v, dout = (torch.randn(1, 40, 2, 16, dtype=torch.float16) for _ in range(4))
+    bias = torch.randn(1, 2, 1, 40, dtype=torch.float16)
+    x = attention.Inputs(q, k, v, bias, topk_mask_from_bias(bias, 8), None, dout)
+    fwd, leaves, _, _ = attention.PEERS["ours-compacted"](case, x)
+    fwd()
+    assert calls == [8]
+    attention.ours(case, x)[0]()  # the default: the gathered-key walk
+    assert calls == [8]

@@ -52,6 +52,17 @@ class TensorKeyedCache:
         slot[2][key] = value
         return value
 
+    def peek(self, tensor: torch.Tensor, key: tuple):
+        """The value remembered for this tensor object at its current version, else None."""
+        slot = self.entries.get(id(tensor))
+        try:
+            version = tensor._version
+        except (RuntimeError, AttributeError):
+            return None
+        if slot is None or slot[0]() is not tensor or slot[1] != version:
+            return None
+        return slot[2].get(key)
+
     def _drop(self, tensor_id: int, dead_ref) -> None:
         slot = self.entries.get(tensor_id)
         if slot is not None and slot[0] is dead_ref:  # not a newer tensor that reuses the id

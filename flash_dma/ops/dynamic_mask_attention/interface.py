@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ...runtime.custom_ops import use_custom_ops
 from ...runtime.hardware import device_guard
+from . import compaction
 from .autograd import DynamicMaskAttentionFunction
 from .checks import deterministic_requested, lower_call
 from .custom_op import attention_fwd
@@ -40,8 +41,12 @@ def flash_dma_func(q, k, v, attn_mask=None, attn_bias=None, is_causal=False, sof
         out, lse = attention_fwd(q, k, v, attn_mask, attn_bias, None, None, 0, 0, bool(is_causal),
                                  softmax_scale, False, deterministic)
     else:
-        problem, q, k, v, mask, bias, device = lower_call(q, k, v, attn_mask, attn_bias, is_causal,
-                                                          softmax_scale, varlen=False)
+        lowered = lower_call(q, k, v, attn_mask, attn_bias, is_causal, softmax_scale, varlen=False)
+        kept = compaction.plan(q, k, attn_mask, attn_bias, is_causal, deterministic)
+        if kept is not None:  # a top-k key-wise mask: dense attention over the kept keys
+            k_kept, v_kept, bias_kept = compaction.compact(q, k, v, attn_bias, kept)
+            lowered = lower_call(q, k_kept, v_kept, None, bias_kept, is_causal, softmax_scale, varlen=False)
+        problem, q, k, v, mask, bias, device = lowered
         with device_guard(device):
             out, lse = DynamicMaskAttentionFunction.apply(q, k, v, mask, bias, problem, deterministic)
     return (out, lse) if return_lse else out
