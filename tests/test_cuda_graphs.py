@@ -74,6 +74,36 @@ def test_attention_mask_changes_between_replays(causal):
         _assert_matches(("out", "dq", "dk", "dv", "dbias"), captured, ref, f"density {density}: ")
 
 
+def test_attention_topk_mask_changes_between_replays():
+    """A top-k key-wise mask made before capture, with compaction on: the capture must read the
+    mask (the kept keys remembered for it are not replayed), so new top-k rows copied in before a
+    replay take effect."""
+    from flash_dma import topk_mask_from_bias
+    from flash_dma.runtime import config
+    B, S, H, D = 2, 2000, 4, 128
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=DTYPE) for _ in range(4))
+    mask = topk_mask_from_bias(torch.randn(B, H, 1, S, device="cuda"), 256)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = flash_dma_func(*leaves, attn_mask=mask)
+        return (out,) + torch.autograd.grad(out, leaves, dout)
+
+    with config.overrides(attention_keywise_compaction="on"):
+        graph, captured = _capture(step, leaves)
+    new_mask = topk_mask_from_bias(torch.randn(B, H, 1, S, device="cuda"), 256)
+    new_inputs = [torch.randn_like(t) for t in (q, k, v)]
+    with torch.no_grad():
+        mask.copy_(new_mask)
+        for leaf, x in zip(leaves, new_inputs):
+            leaf.copy_(x)
+    graph.replay()
+    fresh = [x.clone().requires_grad_() for x in new_inputs]
+    ref_out = flash_dma_func(*fresh, attn_mask=new_mask.clone())
+    ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
+    _assert_matches(("out", "dq", "dk", "dv"), captured, ref)
+
+
 def test_attention_without_mask_replays():
     """No mask: the backward walks lists of every tile (made per shape, and in capture by captured
     kernels); inputs change between replays."""

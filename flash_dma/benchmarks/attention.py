@@ -100,7 +100,10 @@ def ours_all_tiles(case: AttnCase, x: Inputs):
 def ours_compacted(case: AttnCase, x: Inputs):
     """Ours with a top-k key-wise mask run as dense attention over the gathered kept keys
     (attention_keywise_compaction=on; the backward follows the graph the forward built)."""
+    from ..ops.dynamic_mask_attention import compaction
     from ..runtime.config import overrides
+    if compaction.kept_keys(x.mask) is None or case.causal:
+        raise ValueError("no top-k key-wise mask here: nothing to compact")
     fwd, leaves, dout, bhsd = ours(case, x)
 
     def compacted():

@@ -53,7 +53,11 @@ class TensorKeyedCache:
         return value
 
     def peek(self, tensor: torch.Tensor, key: tuple):
-        """The value remembered for this tensor object at its current version, else None."""
+        """The value remembered for this tensor object at its current version, else None (and
+        None in CUDA graph capture: a remembered value would be replayed unchanged while the
+        tensor's contents change between replays)."""
+        if graph_capturing(tensor.device):
+            return None
         slot = self.entries.get(id(tensor))
         try:
             version = tensor._version

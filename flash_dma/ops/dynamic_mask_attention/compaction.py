@@ -9,7 +9,10 @@ gathered-key walk of the Triton kernels pays for per-key gathers in every progra
 through the gathers scatters dk, dv and dbias back into their own shapes.
 
 Not for causal calls (positions matter there), varlen, deterministic mode (the scatters' order),
-or masks per query head under GQA (the gathered keys would differ within a head group). The
+masks per query head under GQA (the gathered keys would differ within a head group), a bias with
+full query rows that the gathers would expand over batch or heads (their backward would build
+that expanded gradient in full), CUDA graph capture (the indices would replay unchanged), or
+torch.compile (attention takes its custom op there). The
 declared choice attention_keywise_compaction: "off" (the default until measured on a GPU), "on"
 (wherever it applies), "auto" (where the CuTe backend can run the dense call).
 """
@@ -55,14 +58,18 @@ def _wanted(device: torch.device) -> bool:
 def plan(q, k, mask, bias, is_causal: bool, deterministic: bool) -> torch.Tensor | None:
     """The kept key indices [Bm, Hm, w] where this call runs compacted, else None."""
     kept = kept_keys(mask)
-    if kept is None or is_causal or deterministic or q.dim() != 4:
+    if kept is None or is_causal or deterministic:
         return None
-    B, _, H, _ = q.shape
-    Hk = k.shape[2]
-    if mask.shape[1] not in (1, Hk) or mask.shape[0] not in (1, B):
-        return None
-    if bias is not None and (bias.dim() != 4 or bias.shape[-1] != k.shape[1]):
-        return None
+    H, Hk, Sk = q.shape[2], k.shape[2], k.shape[1]
+    if mask.shape[1] not in (1, Hk) or mask.shape[2] != 1 or mask.shape[3] != Sk:
+        return None  # (a mask broadcast along keys keeps every key, not the remembered ones)
+    if bias is not None:
+        if bias.shape[-1] != Sk:
+            return None
+        batch, heads = max(bias.shape[0], mask.shape[0]), _compact_bias_heads(bias, mask, H)
+        if bias.shape[2] > 1 and (bias.shape[0] < batch or bias.shape[1] < heads):
+            # the gathers' backward would build the expanded bias's gradient in full
+            return None
     if not _wanted(q.device):
         return None
     if profile.active():
@@ -70,6 +77,12 @@ def plan(q, k, mask, bias, is_causal: bool, deterministic: bool) -> torch.Tensor
                            (("keep", kept.shape[-1]), ("Sk", k.shape[1]), ("H", H), ("Hk", Hk)),
                            "compacted", "choice")
     return kept[:, :, 0, :]
+
+
+def _compact_bias_heads(bias: torch.Tensor, mask_or_kept: torch.Tensor, num_heads: int) -> int:
+    """Heads of the gathered bias: the query heads for a bias per query head, else the mask's
+    (kv heads or 1) or the bias's, whichever has more."""
+    return num_heads if bias.shape[1] == num_heads else max(bias.shape[1], mask_or_kept.shape[1])
 
 
 def compact(q, k, v, bias, kept: torch.Tensor):
@@ -84,7 +97,7 @@ def compact(q, k, v, bias, kept: torch.Tensor):
     if bias is None:
         return k_kept, v_kept, None
     Bb, Hb, Sb, _ = bias.shape
-    heads = Hb if Hb == H else max(Hb, kept.shape[1])  # per query head, or per kv head, or 1
+    heads = _compact_bias_heads(bias, kept, H)
     batch = max(Bb, kept.shape[0])
     key_index = kept
     if heads == H and kept.shape[1] == Hk and H != Hk:

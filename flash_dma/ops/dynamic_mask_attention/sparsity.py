@@ -246,8 +246,9 @@ def topk_mask_from_bias(attn_bias: torch.Tensor, keep: int, *, is_causal: bool =
         top = score.topk(k, dim=-1).indices
         chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
         chosen.scatter_(-1, top, True)
-        if sq == 1 and key_padding_mask is None:
-            # every row keeps exactly k keys: attention can run over them gathered (compaction.py)
+        if sq == 1 and key_padding_mask is None and not torch.compiler.is_compiling():
+            # every row keeps exactly k keys: attention can run over them gathered (compaction.py;
+            # not while traced: attention under torch.compile takes its custom op, uncompacted)
             from .compaction import remember_kept_keys
             remember_kept_keys(chosen, top.sort(dim=-1).values)
             return chosen

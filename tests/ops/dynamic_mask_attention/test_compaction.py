@@ -47,14 +47,14 @@ def test_topk_mask_remembers_its_exact_rows():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mask_heads,bias_shape", [
-    (HK, None), (HK, (B, HK, 1, SK)), (HK, (B, H, 1, SK)), (1, (1, 1, 1, SK)),
-    (1, (B, H, SQ, SK)), (HK, (1, HK, SQ, SK))])
-def test_compacted_call_matches_the_reference(compacted, dtype, mask_heads, bias_shape):
+@pytest.mark.parametrize("mask_heads,mask_batch,bias_shape", [
+    (HK, B, None), (HK, B, (B, HK, 1, SK)), (HK, B, (B, H, 1, SK)), (1, B, (1, 1, 1, SK)),
+    (1, B, (B, H, SQ, SK)), (HK, 1, (B, HK, SQ, SK)), (HK, 1, (1, HK, 1, SK))])
+def test_compacted_call_matches_the_reference(compacted, dtype, mask_heads, mask_batch, bias_shape):
     q = torch.randn(B, SQ, H, D, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(B, SK, HK, D, device=DEVICE, dtype=dtype) for _ in range(2))
     bias = torch.randn(bias_shape, device=DEVICE, dtype=dtype) if bias_shape else None
-    mask = _keywise_mask(mask_heads)
+    mask = _keywise_mask(mask_heads, mask_batch)
     out, grads = check_against_reference(q, k, v, mask, bias, False, dtype)
     assert compacted == [KEEP]
     # the same call through the gathered-key walk
@@ -70,15 +70,22 @@ def test_compacted_call_matches_the_reference(compacted, dtype, mask_heads, bias
     assert (lse - lse_walked).abs().max().item() < 1e-3
 
 
-@pytest.mark.parametrize("why", ["causal", "deterministic", "mask per query head", "not from topk"])
+@pytest.mark.parametrize("why", ["causal", "deterministic", "mask per query head", "not from topk",
+                                 "full-row bias shared over the batch", "mask broadcast along keys"])
 def test_calls_it_cannot_serve_keep_the_gathered_walk(compacted, why):
     dtype = torch.float16
     q = torch.randn(B, SQ, H, D, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(B, SK, HK, D, device=DEVICE, dtype=dtype) for _ in range(2))
     mask = _keywise_mask(H if why == "mask per query head" else HK)
+    bias = None
     if why == "not from topk":
         mask = mask.clone()
-    check_against_reference(q, k, v, mask, None, why == "causal", dtype, grad=False,
+    elif why == "full-row bias shared over the batch":
+        bias = torch.randn(1, HK, SQ, SK, device=DEVICE, dtype=dtype)
+    elif why == "mask broadcast along keys":  # one key kept of one: every key visible
+        mask = topk_mask_from_bias(torch.randn(B, HK, 1, 1, device=DEVICE), 1)
+        assert compaction.kept_keys(mask) is not None
+    check_against_reference(q, k, v, mask, bias, why == "causal", dtype, grad=False,
                             deterministic=why == "deterministic")
     assert compacted == []
 

@@ -57,7 +57,7 @@ def _bound_keywords(fn) -> dict:
 
 # Where the per-key dbias sums may come from the shared dS tile (sums_from_shared): FA4's
 # backward tiles there are 128 queries x 128 keys over two consumer warpgroups, the layout
-# _sum_keys_from_shared is written for (checked at trace time)
+# _dq_gemm_then_key_sums is written for (checked at trace time)
 SHARED_KEY_SUMS_HEAD_DIMS = (64,)
 
 
@@ -110,7 +110,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         return spec is not None and spec[2] != "none" and spec[3]
 
     def _sums_from_shared(self):
-        """The per-key dbias sums come from the shared dS tile (_sum_keys_from_shared)."""
+        """The per-key dbias sums come from the shared dS tile (_dq_gemm_then_key_sums)."""
         spec = getattr(self.score_mod_bwd, "direct_dbias", None)
         return spec is not None and spec[4]
 
@@ -216,12 +216,15 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         result = mma_dsk_fn(A_idx=A_idx, wg_wait=wg_wait)
         lane = self._sum_tidx % 32
         key = (self._sum_tidx // 32) * 16 + lane % 16
-        first = (lane // 16) * (self.tile_m // 2)
-        rows = cutlass.min(self._sum_seqlen_q - m_block * self.tile_m - first, self.tile_m // 2)
+        parity = lane // 16  # the pair splits the rows by parity: no bank conflict between them
+        rows = self._sum_seqlen_q - m_block * self.tile_m
         total = Float32(0.0)
-        for i in cutlass.range_constexpr(self.tile_m // 2):
-            value = self._shared_dS[first + i, key, A_idx].to(Float32)
-            total += cutlass.select_(i < rows, value, Float32(0.0))
+        # a loop, not unrolled whole: 64 unrolled reads had ptxas hoist their swizzled addresses
+        # into registers and spill them
+        for i in cutlass.range(self.tile_m // 2, unroll=4):
+            row = 2 * i + parity
+            value = self._shared_dS[row, key, A_idx].to(Float32)
+            total += cutlass.select_(row < rows, value, Float32(0.0))
         self._shared_sum[0] += total
         return result
 
