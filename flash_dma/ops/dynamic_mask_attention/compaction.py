@@ -47,12 +47,16 @@ def kept_keys(mask) -> torch.Tensor | None:
     return _KEPT_KEYS.peek(mask, _KEY)
 
 
-def _wanted(device: torch.device) -> bool:
+def _wanted(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
     wanted = choice("attention_keywise_compaction").value
     if wanted != "auto":
         return wanted == "on"
-    from .cute import availability, select
-    return select.requested_backend() != "triton" and availability.cute_backend_status(device) is None
+    # auto: where the dense call runs on the CuTe backend (a 16-bit q and bias, a head dim FA4's
+    # kernels take)
+    from .cute import availability, plain, select
+    return (select.requested_backend() != "triton" and q.dtype in plain.PLAIN_DTYPES
+            and q.shape[-1] in plain.PLAIN_HEAD_DIMS and (bias is None or bias.dtype == q.dtype)
+            and availability.cute_backend_status(q.device) is None)
 
 
 def plan(q, k, mask, bias, is_causal: bool, deterministic: bool) -> torch.Tensor | None:
@@ -70,7 +74,7 @@ def plan(q, k, mask, bias, is_causal: bool, deterministic: bool) -> torch.Tensor
         if bias.shape[2] > 1 and (bias.shape[0] < batch or bias.shape[1] < heads):
             # the gathers' backward would build the expanded bias's gradient in full
             return None
-    if not _wanted(q.device):
+    if not _wanted(q, bias):
         return None
     if profile.active():
         profile.log_choice("attention", "keywise", "torch", device_info(q.device),
