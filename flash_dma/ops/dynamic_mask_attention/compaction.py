@@ -2,7 +2,8 @@
 
 A key-wise mask ([B|1, Hk|1, 1, Sk], or H heads where H == Hk) that `topk_mask_from_bias` made
 keeps exactly `keep` keys in every row, and that function remembers which (per mask object and
-version, never across an in-place edit). Attention with such a mask is plain attention over
+version, never across an in-place edit; an edit through `mask.data`, which bumps no version, is
+not seen: make a new mask instead). Attention with such a mask is plain attention over
 those keys: gathering K, V and the bias's entries at the kept positions gives a dense problem of
 `keep` keys, which the dense kernels run at their full speed (on Hopper FA4's, where the
 gathered-key walk of the Triton kernels pays for per-key gathers in every program). Autograd
