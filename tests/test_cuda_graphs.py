@@ -31,6 +31,18 @@ def _capture(step, leaves):
     return graph, captured
 
 
+def _replay(graph, leaves, new_values, *, also=()):
+    """Copy new values into the captured leaves (and each (static, new) pair of `also`), replay,
+    and return fresh leaves holding the new values for the eager reference."""
+    with torch.no_grad():
+        for static, new in also:
+            static.copy_(new)
+        for leaf, x in zip(leaves, new_values):
+            leaf.copy_(x)
+    graph.replay()
+    return [x.clone().requires_grad_() for x in new_values]
+
+
 def _assert_matches(names, captured, ref, context=""):
     """Replayed results against eager calls on the new values (NaN never passes: rel_err)."""
     for name, got, want in zip(names, captured, ref):
@@ -61,13 +73,8 @@ def test_attention_mask_changes_between_replays(causal):
     graph, captured = _capture(step, leaves)
     for density in (0.3, 0.8):
         new_mask = _block_mask(B, H, S, 128, density, "cuda")
-        new_inputs = [torch.randn_like(t) for t in (q, k, v, bias)]
-        with torch.no_grad():
-            mask.copy_(new_mask)
-            for leaf, x in zip(leaves, new_inputs):
-                leaf.copy_(x)
-        graph.replay()
-        fresh = [x.clone().requires_grad_() for x in new_inputs]
+        fresh = _replay(graph, leaves, [torch.randn_like(t) for t in (q, k, v, bias)],
+                        also=[(mask, new_mask)])
         ref_out = flash_dma_func(*fresh[:3], attn_mask=new_mask.clone(), attn_bias=fresh[3],
                                  is_causal=causal)
         ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
@@ -92,13 +99,7 @@ def test_attention_topk_mask_changes_between_replays():
     with config.overrides(attention_keywise_compaction="on"):
         graph, captured = _capture(step, leaves)
     new_mask = topk_mask_from_bias(torch.randn(B, H, 1, S, device="cuda"), 256)
-    new_inputs = [torch.randn_like(t) for t in (q, k, v)]
-    with torch.no_grad():
-        mask.copy_(new_mask)
-        for leaf, x in zip(leaves, new_inputs):
-            leaf.copy_(x)
-    graph.replay()
-    fresh = [x.clone().requires_grad_() for x in new_inputs]
+    fresh = _replay(graph, leaves, [torch.randn_like(t) for t in (q, k, v)], also=[(mask, new_mask)])
     ref_out = flash_dma_func(*fresh, attn_mask=new_mask.clone())
     ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
     _assert_matches(("out", "dq", "dk", "dv"), captured, ref)
@@ -116,12 +117,7 @@ def test_attention_without_mask_replays():
         return (out,) + torch.autograd.grad(out, leaves, dout)
 
     graph, captured = _capture(step, leaves)
-    new_inputs = [torch.randn_like(t) for t in (q, k, v)]
-    with torch.no_grad():
-        for leaf, x in zip(leaves, new_inputs):
-            leaf.copy_(x)
-    graph.replay()
-    fresh = [x.clone().requires_grad_() for x in new_inputs]
+    fresh = _replay(graph, leaves, [torch.randn_like(t) for t in (q, k, v)])
     ref_out = flash_dma_func(*fresh, is_causal=True)
     ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
     _assert_matches(("out", "dq", "dk", "dv"), captured, ref)
@@ -141,10 +137,7 @@ def test_varlen_attention_mask_changes_between_replays():
 
     graph, captured = _capture(step, leaves)
     new_mask = _block_mask(3, H, max(lengths), 64, 0.3, "cuda")
-    with torch.no_grad():
-        mask.copy_(new_mask)
-    graph.replay()
-    fresh = [t.clone().requires_grad_() for t in (q, k, v)]
+    fresh = _replay(graph, leaves, [q, k, v], also=[(mask, new_mask)])
     ref_out = flash_dma_varlen_func(*fresh, cu, cu, max(lengths), max(lengths),
                                     attn_mask=new_mask.clone(), is_causal=True)
     ref = (ref_out,) + torch.autograd.grad(ref_out, fresh, dout)
@@ -168,9 +161,8 @@ def test_varlen_delta_rule_lengths_change_between_replays():
 
     graph, captured = _capture(step, leaves)
     for bounds in ([0, 64, 2000, 3000], [0, 1, 1301, 3000]):  # same count, same total
-        cu.copy_(torch.tensor(bounds, device="cuda", dtype=torch.int32))
-        graph.replay()
-        fresh = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        fresh = _replay(graph, leaves, [q, k, v, g, beta],
+                        also=[(cu, torch.tensor(bounds, device="cuda", dtype=torch.int32))])
         ref_o, _ = chunk_gated_delta_rule(*fresh, cu_seqlens=cu.clone())
         ref = (ref_o,) + torch.autograd.grad(ref_o, fresh, do)
         _assert_matches(("o", "dq", "dk", "dv", "dg", "dbeta"), captured, ref, f"lengths {bounds}: ")

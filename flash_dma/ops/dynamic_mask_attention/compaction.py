@@ -37,7 +37,7 @@ _KEY = ("kept keys",)
 
 def remember_kept_keys(mask: torch.Tensor, kept: torch.Tensor) -> None:
     """kept: [mask's B, H, 1, keep] int64 key indices, each row's `keep` distinct keys (the
-    positions where that row of mask is True)."""
+    positions where that row of mask is True), in any order (softmax does not see the order)."""
     _KEPT_KEYS.get(mask, _KEY, lambda: kept)
 
 

@@ -250,7 +250,7 @@ def topk_mask_from_bias(attn_bias: torch.Tensor, keep: int, *, is_causal: bool =
             # every row keeps exactly k keys: attention can run over them gathered (compaction.py;
             # not while traced: attention under torch.compile takes its custom op, uncompacted)
             from .compaction import remember_kept_keys
-            remember_kept_keys(chosen, top.sort(dim=-1).values)
+            remember_kept_keys(chosen, top)
             return chosen
         return chosen & allowed
     n_blocks = -(-sk // block_size)

@@ -86,6 +86,19 @@ def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_qu
     return score_mod_bwd
 
 
+@cute.jit
+def _write_dbias(dbias, grouped, mode, batch_idx, head_idx, q, k, value):
+    """One dbias entry: an fp32 atomic add where the bias is shared ("atomic"), else a store in
+    the bias's dtype."""
+    at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
+    if const_expr(mode == "atomic"):
+        fa_utils.atomic_add_fp32(value, at)
+    else:
+        cell = cute.make_rmem_tensor(1, Float32)
+        cell[0] = value
+        cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+
+
 class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
     """FA4's SM90 backward with the bias and dbias at the score fragments' own coordinates."""
 
@@ -258,13 +271,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
         total = self._shared_sum[0] + cute.arch.shuffle_sync_bfly(self._shared_sum[0], offset=16)
         k = n_block * self.tile_n + (self._sum_tidx // 32) * 16 + lane % 16
         if (lane < 16) & (k < seqlen.seqlen_k):
-            at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, 0, k)
-            if const_expr(mode == "atomic"):
-                fa_utils.atomic_add_fp32(total, at)
-            else:
-                cell = cute.make_rmem_tensor(1, Float32)
-                cell[0] = total
-                cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+            _write_dbias(dbias, grouped, mode, batch_idx, head_idx, 0, k, total)
         self._shared_sum[0] = Float32(0.0)
 
     @cute.jit
@@ -281,13 +288,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             _, k = self._query_key(coords[0, c])
             if first_of_quad & (k < seqlen.seqlen_k):
-                at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, 0, k)
-                if const_expr(mode == "atomic"):
-                    fa_utils.atomic_add_fp32(total, at)
-                else:
-                    cell = cute.make_rmem_tensor(1, Float32)
-                    cell[0] = total
-                    cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
+                _write_dbias(dbias, grouped, mode, batch_idx, head_idx, 0, k, total)
             self._key_sums[c] = Float32(0.0)
 
     @cute.jit
@@ -350,6 +351,8 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 for i in cutlass.range_constexpr(cute.size(grad_tensor.shape)):
                     q, k = self._query_key(coords[i])
                     if (q >= 0) & (k >= 0) & (q < seqlen_info.seqlen_q) & (k < seqlen_info.seqlen_k):
+                        # (not through _write_dbias: that moves the pointer arithmetic into the
+                        # atomic's branch and changes this GPU-tested kernel's code)
                         at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
                         g = grad_tensor[i]
                         if const_expr(mode == "atomic"):
