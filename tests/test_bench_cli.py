@@ -538,11 +538,13 @@ def test_gdn_peak_memory_note():
     assert gdn._peak_mib(lambda: None, "cpu") is None
 
 
-def test_attention_compacted_peer_runs_ours_over_the_kept_keys(monkeypatch):
-    """The top-k row's "ours-compacted" peer: our call with attention_keywise_compaction on."""
+def test_attention_walk_peer_runs_ours_without_compaction(monkeypatch):
+    """The top-k row's "ours-walk" peer: our call with attention_keywise_compaction off, beside
+    ours compacted ("on" here, as "auto" is where CuTe runs)."""
     from flash_dma import topk_mask_from_bias
     from flash_dma.benchmarks import attention
     from flash_dma.ops.dynamic_mask_attention import compaction
+    from flash_dma.runtime import config
     calls = []
     real = compaction.compact
     monkeypatch.setattr(compaction, "compact", lambda *a: calls.append(a[-1].shape[-1]) or real(*a))
@@ -550,8 +552,9 @@ def test_attention_compacted_peer_runs_ours_over_the_kept_keys(monkeypatch):
     q, k, v, dout = (torch.randn(1, 40, 2, 16, dtype=torch.float16) for _ in range(4))
     bias = torch.randn(1, 2, 1, 40, dtype=torch.float16)
     x = attention.Inputs(q, k, v, bias, topk_mask_from_bias(bias, 8), None, dout)
-    fwd, leaves, _, _ = attention.PEERS["ours-compacted"](case, x)
-    fwd()
-    assert calls == [8]
-    attention.ours(case, x)[0]()  # the default: the gathered-key walk
-    assert calls == [8]
+    with config.overrides(attention_keywise_compaction="on"):
+        fwd, leaves, _, _ = attention.PEERS["ours-walk"](case, x)
+        fwd()
+        assert calls == []
+        attention.ours(case, x)[0]()
+        assert calls == [8]

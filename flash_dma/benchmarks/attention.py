@@ -97,19 +97,20 @@ def ours_all_tiles(case: AttnCase, x: Inputs):
     return ours(case, Inputs(x.q, x.k, x.v, x.bias, torch.ones_like(x.mask), None, x.dout))
 
 
-def ours_compacted(case: AttnCase, x: Inputs):
-    """Ours with a top-k key-wise mask run as dense attention over the gathered kept keys
-    (attention_keywise_compaction=on; the backward follows the graph the forward built)."""
+def ours_walk(case: AttnCase, x: Inputs):
+    """Ours with a top-k key-wise mask through the gathered-key walk (attention_keywise_compaction
+    off), where the default runs dense attention over the gathered kept keys; the backward
+    follows the graph the forward built."""
     from ..ops.dynamic_mask_attention import compaction
     from ..runtime.config import overrides
     if compaction.kept_keys(x.mask) is None or case.causal:
-        raise ValueError("no top-k key-wise mask here: nothing to compact")
+        raise ValueError("no top-k key-wise mask here: nothing the walk would be compared with")
     fwd, leaves, dout, bhsd = ours(case, x)
 
-    def compacted():
-        with overrides(attention_keywise_compaction="on"):
+    def walked():
+        with overrides(attention_keywise_compaction="off"):
             return fwd()
-    return compacted, leaves, dout, bhsd
+    return walked, leaves, dout, bhsd
 
 
 def sdpa(backend_name: str):
@@ -241,7 +242,7 @@ PEERS: dict[str, Callable] = {
     "flash-dmattn": flash_dmattn,
     "ours-no-mask": ours_without_mask,
     "ours-all-tiles": ours_all_tiles,
-    "ours-compacted": ours_compacted,
+    "ours-walk": ours_walk,
 }
 
 
@@ -347,7 +348,7 @@ def sections(quick: bool) -> list[tuple[str, list[AttnCase]]]:
         AttnCase("B2 H16 S4096 D128 1/8 tiles bias[B,H,S,S]", 2, 16, 4096, 128, bias="full",
                  mask="tiles-1/8", peers=("ours-all-tiles", "flex")),
         AttnCase("B1 H16 S16384 D128 top-1024 keys bias[B,H,1,S]", 1, 16, 16384, 128, bias="key",
-                 mask="topk-1024", peers=("ours-no-mask",) if quick else ("ours-no-mask", "ours-compacted", "flex")),
+                 mask="topk-1024", peers=("ours-no-mask",) if quick else ("ours-no-mask", "ours-walk", "flex")),
     ]
     sweep = [AttnCase(f"B{16384 // S} H16 S{S} D128 bias[B,H,S,S]", 16384 // S, 16, S, 128, bias="full",
                       peers=("flex",)) for S in ((1024, 4096) if quick else (1024, 2048, 4096, 8192))]

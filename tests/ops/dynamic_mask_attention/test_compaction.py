@@ -90,15 +90,22 @@ def test_calls_it_cannot_serve_keep_the_gathered_walk(compacted, why):
     assert compacted == []
 
 
-def test_off_by_default_and_auto_needs_the_cute_backend():
+@pytest.mark.parametrize("head_dim", [D, 64])
+def test_auto_by_default_where_the_cute_backend_runs(head_dim):
+    """auto (the default) compacts only where the dense call runs on CuTe: a head dim FA4 takes
+    (32 is not one), a 16-bit q, the stack on this device, the backend not forced to Triton;
+    off never compacts."""
+    from flash_dma.ops.dynamic_mask_attention.cute import availability, plain, select
     mask = _keywise_mask(HK)
-    q = torch.randn(B, SQ, H, D, device=DEVICE, dtype=torch.float16)
-    k = torch.randn(B, SK, HK, D, device=DEVICE, dtype=torch.float16)
-    assert compaction.plan(q, k, mask, None, False, False) is None
-    with config.overrides(attention_keywise_compaction="auto"):
-        from flash_dma.ops.dynamic_mask_attention.cute import availability
-        served = availability.cute_backend_status(q.device) is None
-        assert (compaction.plan(q, k, mask, None, False, False) is not None) == served
+    q = torch.randn(B, SQ, H, head_dim, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(B, SK, HK, head_dim, device=DEVICE, dtype=torch.float16)
+    served = (availability.cute_backend_status(q.device) is None
+              and head_dim in plain.PLAIN_HEAD_DIMS and select.requested_backend() != "triton")
+    assert (compaction.plan(q, k, mask, None, False, False) is not None) == served
+    with config.overrides(attention_keywise_compaction="off"):
+        assert compaction.plan(q, k, mask, None, False, False) is None
+    with config.overrides(attention_keywise_compaction="on"):
+        assert compaction.plan(q, k, mask, None, False, False) is not None
 
 
 @pytest.mark.gpu
