@@ -1,7 +1,8 @@
 """Backward variants of the gated delta rule side by side at the issue's shapes (same run, same
 inputs): the fused Hopper chunk backward (gluon/backward_chunk.py, replacing the Triton bwd_dqkw
 and bwd_wy passes) against those passes, and bwd_dhu forming the intra-chunk dv itself
-(gdn_dhu_local_dv). Per variant: do_bench medians of the public op's backward and forward +
+(gdn_dhu_local_dv), and the states, v_new and intra-chunk dv recomputed by the one-role fused
+kernel (gdn_fused_recompute=64 or 128; 0: the Triton state pass and local_dv pass). Per variant: do_bench medians of the public op's backward and forward +
 backward, the kernel time of the passes that differ from one profiled step, and the gradients'
 error against the first variant. The backward column is the one to read: forward + backward
 builds a plan on every call while overrides are active (host time).
@@ -29,7 +30,7 @@ from flash_dma.runtime.config import overrides  # noqa: E402
 
 SHAPES = ((4, 4096, 16), (1, 8192, 16), (1, 32768, 16), (8, 4096, 32))
 REPLACED = ("gdn_bwd_dqkw_kernel", "gdn_bwd_wy_kernel", "gdn_bwd_chunk_kernel", "gdn_bwd_dhu_kernel",
-            "gdn_intra_kernel", "gdn_recompute_wu_kernel")
+            "gdn_intra_kernel", "gdn_recompute_wu_kernel", "gdn_fwd_h_kernel")
 VARIANTS = ("triton:gdn_fused_backward=0,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
             "fused:gdn_fused_backward=1,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
             "fused+dv:gdn_fused_backward=1,gdn_dhu_local_dv=1,gdn_dhu_w_from_t=0;"
@@ -100,7 +101,7 @@ def main():
     variants = parse_variants(args.variants)
     lines = [f"# gdn fused chunk backward | {env['device']} | torch {env['torch']} | triton {env['triton']} | "
              f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, h0 and final state",
-             "| shape | variant | bwd ms | fwd+bwd ms | dqkw, wy, chunk, dhu, intra, recompute_wu kernels us | bwd speedup | "
+             "| shape | variant | bwd ms | fwd+bwd ms | dqkw, wy, chunk, dhu, intra, recompute_wu, fwd_h kernels us | bwd speedup | "
              "max rel diff of grads vs the first |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     print(lines[0], flush=True)

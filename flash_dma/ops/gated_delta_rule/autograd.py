@@ -5,8 +5,9 @@ full, the state pass forms the WY products from T itself. On SM90, where enough 
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
 states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
-recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
-chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
+recomputes w, u and the states (on SM90 where the forward runs its one-role fused kernel, that
+kernel again in its recompute form, which also forms the intra-chunk dv), then runs the
+state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
 kernels are the plan's backend's (one module per pass).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ...runtime.launch import compile_ahead, compile_ahead_enabled
 from .checks import check_bwd_dhu_inputs
 from .layout import CHUNK, ChunkLayout, as_rows, chunk_layout, total_chunks
 from .plan import DeltaRulePlan, plan_bwd_dhu, plan_call
+from .segments import segments_of
 from .triton import bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
 
 # The passes of each backend, by plan.backend. A second backend (ops/gated_delta_rule/cute/)
@@ -107,6 +109,29 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
     return o, final if store_final else None, (starts, transition)
 
 
+def _fused_recompute(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state, do, scale,
+                     tile: int, segments):
+    """The backward's states, v_new and intra-chunk dv in one SM90 kernel (the one-role fused
+    forward in its recompute form): -> (h, v_new, dv_local, segments). Where the plan cuts the
+    sequences, it runs over the segments from their starts (the forward's, or found again)."""
+    from .gluon.forward_fused import recompute_fused
+    do = do.to(q.dtype)
+    per_segment = plan.segment_chunks()
+    if per_segment is None:
+        h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, initial_state, do, scale, tile)
+        return h, v_new, dv_local, None
+    if segments is None:
+        seg, starts, transition, _ = BACKENDS[plan.backend].state_pass.segment_starts(
+            plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
+        segments = (starts, transition)
+    else:
+        seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, q.device)
+    h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, segments[0], do, scale, tile,
+                                         cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots,
+                                         chunk_offsets=seg.chunk_offsets)
+    return h, v_new, dv_local, segments
+
+
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
              g_cum, ai, segments=None):
     """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
@@ -121,13 +146,21 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     else:
         gk_cum = aqk = k_gated = q_gated = None
         w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
-                                           with_u=not plan.backward_states_from_inverse.value)
+                                           with_u=not plan.backward_states_from_inverse.value
+                                           and not plan.fused_recompute.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
-    # u None: the state pass forms v_new from T (w is still bwd_dhu's)
-    h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
-                                                  g_cum, gk_cum, initial_state, store_final=False, known=segments)
     fold_dv = plan.dhu_local_dv_on()
-    dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
+    tile = plan.fused_recompute_tile() if gk is None and not fold_dv else None
+    if tile:
+        h, v_new, dv_local, segments = _fused_recompute(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
+                                                        do, scale, tile, segments)
+    else:
+        # u None: the state pass forms v_new from T (w is still bwd_dhu's)
+        h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai,
+                                                      None if u is None else w, u, g_cum, gk_cum, initial_state,
+                                                      store_final=False, known=segments)
+        dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale,
+                                                            v.dtype)
     dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
                                        dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
                                        forward_transition=None if segments is None else segments[1],

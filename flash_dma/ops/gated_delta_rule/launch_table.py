@@ -210,6 +210,16 @@ def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: 
     return 128 if V % 128 == 0 else 64
 
 
+def fused_recompute_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
+                         device: torch.device) -> int | None:
+    """The V tile of the backward's fused recompute (gluon/forward_fused.py in its recompute
+    form: states, v_new and the intra-chunk dv in one kernel), or None (the Triton state pass and
+    local_dv pass): where the forward runs the one-role kernel, with its tile (not measured
+    elsewhere yet)."""
+    tile = fused_forward_tile(K, V, chains, dtype, has_gk, device)
+    return tile if keeps_inverse and tile in (64, 128) else None
+
+
 def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
     """Whether the fused forward computes such a call: an SM90 GPU (warpgroup MMA), scalar gate
     or none, K 64 or 128, V a multiple of 64, 16-bit inputs."""

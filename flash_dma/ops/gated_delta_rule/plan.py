@@ -14,6 +14,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
                              pass and output kernels;
+  gdn_fused_recompute        the backward's recomputation of the states, v_new and the intra-chunk
+                             dv as the one-role fused forward kernel in its recompute form (64 or
+                             128: its V tile) instead of the Triton state pass and local_dv pass;
   gdn_fused_backward         the backward's chunk-parallel passes (dq, dk, dw, then back through
                              the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
                              the Triton bwd_dqkw and bwd_wy passes;
@@ -57,6 +60,9 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
+declare_choice("gdn_fused_recompute", None, (0, 64, 128),
+               "the backward's states, v_new and intra-chunk dv in the one-role fused kernel, 64 or 128 its V "
+               "tile (0: the Triton state pass and local_dv pass; default: launch_table's rule)")
 declare_choice("gdn_fused_backward", None, (True, False),
                "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_dhu_local_dv", None, (True, False),
@@ -89,6 +95,7 @@ class DeltaRulePlan:
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
+    fused_recompute: Chosen = Chosen(None, "table")  # 64 or 128 (the recompute kernel's V tile), or None
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
@@ -100,6 +107,14 @@ class DeltaRulePlan:
         log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
                    self.fused_forward.source)
         return form
+
+    def fused_recompute_tile(self) -> int | None:
+        """The V tile of the backward's fused recompute (states, v_new, intra-chunk dv in one
+        kernel), or None (the Triton passes); logged like a launch."""
+        tile = self.fused_recompute.value
+        log_choice(OP, "fused_recompute", "gluon" if tile else self.backend, self.info, self.shape,
+                   f"one_role block_v={tile}" if tile else "off", self.fused_recompute.source)
+        return tile
 
     def fused_backward_on(self) -> bool:
         """Whether the backward's dqkw and WY passes run as the one Gluon kernel; logged like a
@@ -286,6 +301,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
+                         fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, device),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
@@ -303,6 +319,24 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
         raise ValueError(
             f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
             f"multiple of {tile} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
+    return chosen
+
+
+def _fused_recompute(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
+                     device) -> Chosen:
+    """The backward's fused recompute: launch_table's rule, or the override (0: off); a forced
+    tile the call cannot take is an error, not a silent fallback."""
+    chosen = choice("gdn_fused_recompute")
+    if chosen.value is None:
+        return Chosen(launch_table.fused_recompute_tile(K, V, chains, dtype, has_gk, keeps_inverse, device),
+                      "rule")
+    if chosen.value == 0:
+        return Chosen(None, "override")
+    if V % chosen.value or not keeps_inverse or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
+        raise ValueError(
+            f"gdn_fused_recompute={chosen.value!r}: the fused recompute needs an SM90 GPU, no gk, K 64 or 128, V a "
+            f"multiple of {chosen.value} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, "
+            f"dtype {dtype}")
     return chosen
 
 
@@ -387,7 +421,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_backward", "dhu_local_dv",
+                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "fused_backward", "dhu_local_dv",
                  "dhu_w_from_t"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")

@@ -79,9 +79,57 @@ def test_gpu_fused_forward_rule_by_programs():
     assert tile(256, 128, 2 * sm, torch.bfloat16, False, dev) is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused recompute runs on SM90 GPUs")
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("form", [64, 128])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_fused_recompute(name, form, split):
+    """The backward's states, v_new and intra-chunk dv from the one-role kernel's recompute
+    form (whole, and over segments from the forward's starts): every gradient against fp64."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if V % form:
+        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    chosen = {"gdn_fused_recompute": form}
+    if split is not None:
+        chosen["gdn_chunks_per_segment"] = split
+    with overrides(**chosen):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
+        assert plan.fused_recompute.value == form and plan.segment_chunks() == split
+        poison_allocator(B * T * HV * V, dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+def test_fused_recompute_rule():
+    """Only where the forward runs the one-role kernel (its tile), T kept, on an SM90 GPU; a
+    forced tile the call cannot take is an error naming the choice."""
+    cpu = torch.device("cpu")
+    assert launch_table.fused_recompute_tile(128, 128, 4096, torch.bfloat16, False, True, cpu) is None
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        with overrides(gdn_fused_recompute=64), pytest.raises(ValueError, match="gdn_fused_recompute=64"):
+            plan_call(q, q, True, False, layout)
+    else:
+        dev = torch.device(DEVICE)
+        sm = torch.cuda.get_device_properties(dev).multi_processor_count
+        rule = launch_table.fused_recompute_tile
+        assert rule(128, 128, 4 * sm, torch.bfloat16, False, True, dev) == 128
+        assert rule(128, 128, 4 * sm, torch.bfloat16, False, False, dev) is None  # T not kept
+        assert rule(128, 128, sm, torch.bfloat16, False, True, dev) is None  # warp roles forward
+    with overrides(gdn_fused_recompute=0):
+        assert plan_call(q, q, True, False, layout).fused_recompute.value is None
+
+
 @pytest.mark.parametrize("form, K, has_g, varlen", [(64, 128, True, False), (128, 128, True, True),
                                                    (64, 64, False, True), ("ws", 128, True, False),
-                                                   ("ws", 64, False, True)])
+                                                   ("ws", 64, False, True), ("recompute-64", 128, True, False),
+                                                   ("recompute-128", 128, True, True),
+                                                   ("recompute-64", 64, False, True)])
 def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
@@ -90,12 +138,19 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
                  "STORE_HT": True, "IS_VARLEN": varlen}
     gluon = "flash_dma.ops.gated_delta_rule.gluon"
+    late_pointers, late_constants = {}, {}
     if form == "ws":
         kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
     else:
-        kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": form // 16}
-        constants = {**constants, "BV": form}
-    compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options)
+        tile = int(str(form).split("-")[-1])
+        kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": tile // 16}
+        constants = {**constants, "BV": tile}
+        if str(form).startswith("recompute"):
+            constants["STORE_HT"] = False
+            late_pointers = {"do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"}
+            late_constants = {"RECOMPUTE": True}
+    compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options,
+                                late_pointers, late_constants)
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
     assert_mma_not_serialised(compiled)
