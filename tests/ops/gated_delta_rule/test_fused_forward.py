@@ -104,9 +104,10 @@ def test_gpu_fused_recompute(name, form, split):
         check_against_reference(inputs, dtype, **kwargs)
 
 
-def test_fused_recompute_rule():
-    """Only where the forward runs the one-role kernel (its tile), T kept, on an SM90 GPU; a
-    forced tile the call cannot take is an error naming the choice."""
+def test_fused_recompute_rule(monkeypatch):
+    """Off by default (measured no faster); switched on, only where the forward runs the one-role
+    kernel (its tile), T kept, on an SM90 GPU; a forced tile the call cannot take is an error
+    naming the choice."""
     cpu = torch.device("cpu")
     assert launch_table.fused_recompute_tile(128, 128, 4096, torch.bfloat16, False, True, cpu) is None
     q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
@@ -118,6 +119,8 @@ def test_fused_recompute_rule():
         dev = torch.device(DEVICE)
         sm = torch.cuda.get_device_properties(dev).multi_processor_count
         rule = launch_table.fused_recompute_tile
+        assert rule(128, 128, 4 * sm, torch.bfloat16, False, True, dev) is None
+        monkeypatch.setattr(launch_table, "FUSED_RECOMPUTE_BY_DEFAULT", True)
         assert rule(128, 128, 4 * sm, torch.bfloat16, False, True, dev) == 128
         assert rule(128, 128, 4 * sm, torch.bfloat16, False, False, dev) is None  # T not kept
         assert rule(128, 128, sm, torch.bfloat16, False, True, dev) is None  # warp roles forward
