@@ -101,7 +101,7 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
 
     per_segment = plan.segment_chunks()
     if per_segment is None:
-        o, final = run(initial_state, store_final)
+        o, final = run(initial_state, store_final, order=plan.sequence_order(layout))
         return o, final, None
     seg, starts, transition, final = BACKENDS[plan.backend].state_pass.segment_starts(
         plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
@@ -118,7 +118,8 @@ def _fused_recompute(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai
     do = do.to(q.dtype)
     per_segment = plan.segment_chunks()
     if per_segment is None:
-        h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, initial_state, do, scale, tile)
+        h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, initial_state, do, scale, tile,
+                                             order=plan.sequence_order(layout))
         return h, v_new, dv_local, None
     if segments is None:
         seg, starts, transition, _ = BACKENDS[plan.backend].state_pass.segment_starts(

@@ -220,6 +220,9 @@ def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: 
 # (a building block of a fused backward that keeps h on chip).
 FUSED_RECOMPUTE_BY_DEFAULT = False
 
+# Packed sequences of mixed lengths run by the fused kernels longest first (not measured yet).
+LONGEST_FIRST = False
+
 
 def fused_recompute_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
                          device: torch.device) -> int | None:

@@ -77,6 +77,14 @@ def varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     return ChunkLayout(1, seq_len, n, slots, slots, cu, starts.contiguous(), chunk_map)
 
 
+def longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The packed sequences' indices, longest first (int32, on the device, no host sync): a
+    sequential kernel's programs are dispatched in grid order, so mapping program i to the i-th
+    longest sequence starts the longest chains first, and the short ones fill the tail."""
+    return _LAYOUTS.get(cu_seqlens, ("longest first",), lambda: torch.argsort(
+        cu_seqlens[1:] - cu_seqlens[:-1], descending=True, stable=True).to(torch.int32))
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """The kernels address [B, T, heads, D] tensors as dense rows."""
     return t if t.is_contiguous() else t.contiguous()

@@ -14,6 +14,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
                              pass and output kernels;
+  gdn_longest_first          packed sequences (varlen) run by the fused kernels longest first
+                             (programs start in grid order: the longest chains first, the short
+                             ones fill the tail) rather than in the order given;
   gdn_fused_recompute        the backward's recomputation of the states, v_new and the intra-chunk
                              dv as the one-role fused forward kernel in its recompute form (64 or
                              128: its V tile) instead of the Triton state pass and local_dv pass;
@@ -42,7 +45,7 @@ from ...runtime.hardware import DeviceInfo, device_info
 from ...runtime.profile import log_choice
 from . import launch_table
 from .launch_table import GdnConfig
-from .layout import CHUNK, ChunkLayout, chunk_layout
+from .layout import CHUNK, ChunkLayout, chunk_layout, longest_first
 from .segments import SegmentLayout, join_segments, segment_bound
 
 OP = "gated_delta_rule"
@@ -60,6 +63,8 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
+declare_choice("gdn_longest_first", None, (True, False),
+               "packed sequences run by the fused kernels longest first (default: launch_table's rule)")
 declare_choice("gdn_fused_recompute", None, (0, 64, 128),
                "the backward's states, v_new and intra-chunk dv in the one-role fused kernel, 64 or 128 its V "
                "tile (0: the Triton state pass and local_dv pass; default: launch_table's rule)")
@@ -96,6 +101,7 @@ class DeltaRulePlan:
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     fused_recompute: Chosen = Chosen(None, "table")  # 64 or 128 (the recompute kernel's V tile), or None
+    longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
@@ -107,6 +113,16 @@ class DeltaRulePlan:
         log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
                    self.fused_forward.source)
         return form
+
+    def sequence_order(self, layout: ChunkLayout) -> torch.Tensor | None:
+        """The order the fused kernels run packed sequences in (layout.longest_first), or None
+        (as given: equal lengths, or the choice off); logged like a launch."""
+        if not layout.is_varlen:
+            return None
+        on = bool(self.longest_first.value)
+        log_choice(OP, "sequence_order", "gluon", self.info, self.shape, "longest_first" if on else "as_given",
+                   self.longest_first.source)
+        return longest_first(layout.cu_seqlens) if on else None
 
     def fused_recompute_tile(self) -> int | None:
         """The V tile of the backward's fused recompute (states, v_new, intra-chunk dv in one
@@ -302,6 +318,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, device),
+                         longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
@@ -421,7 +438,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "fused_backward", "dhu_local_dv",
+                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "longest_first", "fused_backward",
+                 "dhu_local_dv",
                  "dhu_w_from_t"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")

@@ -104,6 +104,37 @@ def test_gpu_fused_recompute(name, form, split):
         check_against_reference(inputs, dtype, **kwargs)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
+@pytest.mark.parametrize("recompute", [0, 64])
+@pytest.mark.parametrize("form", ["ws", 64, 128])
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] is not None])
+def test_gpu_fused_kernels_take_packed_sequences_longest_first(name, form, recompute):
+    """gdn_longest_first: the fused forward (and the fused recompute) map their programs to the
+    packed sequences longest first; every output and gradient against fp64."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if V % (64 if form == "ws" else form):
+        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=len(lengths))
+    cu = cu_from_lengths(lengths)
+    with overrides(gdn_fused_forward=form, gdn_fused_recompute=recompute, gdn_longest_first=True):
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, chunk_layout(B, T, cu))
+        assert plan.longest_first.value
+        poison_allocator(B * T * HV * V, dtype)
+        check_against_reference(inputs, dtype, cu_seqlens=cu)
+
+
+def test_longest_first_order():
+    """The packed sequences' indices by length, longest first, ties in the given order, int32,
+    computed once per cu_seqlens object."""
+    from flash_dma.ops.gated_delta_rule.layout import longest_first
+    cu = torch.tensor([0, 3, 3, 10, 11, 18], dtype=torch.int32, device=DEVICE)  # lengths 3, 0, 7, 1, 7
+    order = longest_first(cu)
+    assert order.dtype == torch.int32 and order.tolist() == [2, 4, 0, 3, 1]
+    assert longest_first(cu) is order
+
+
 def test_fused_recompute_rule(monkeypatch):
     """Off by default (measured no faster); switched on, only where the forward runs the one-role
     kernel (its tile), T kept, on an SM90 GPU; a forced tile the call cannot take is an error
@@ -144,13 +175,14 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     late_pointers, late_constants = {}, {}
     if form == "ws":
         kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
+        late_pointers = {"order": "*i32"} if varlen else {}  # packed sequences longest first
     else:
         tile = int(str(form).split("-")[-1])
         kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": tile // 16}
         constants = {**constants, "BV": tile}
         if str(form).startswith("recompute"):
             constants["STORE_HT"] = False
-            late_pointers = {"do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"}
+            late_pointers = {"order": "*i32", "do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"}
             late_constants = {"RECOMPUTE": True}
     compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options,
                                 late_pointers, late_constants)

@@ -19,12 +19,16 @@ def exp2_ftz(x):
 
 
 @gluon.jit
-def sequence_of_program(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
+def sequence_of_program(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr, order=None):
     """(sequence x value head, value head, first token (int64), length, chunks) of this program
-    (grid axis 1)."""
+    (grid axis 1). order (varlen, or None): the sequences in the order their programs run
+    (layout.longest_first)."""
     seq_hv = gl.program_id(1)
     seq = seq_hv // HV
     if IS_VARLEN:
+        if order is not None:
+            seq = gl.load(order + seq)
+            seq_hv = seq * HV + seq_hv % HV
         bos = gl.load(cu_seqlens + seq).to(gl.int64)
         seq_len = gl.load(cu_seqlens + seq + 1).to(gl.int64) - bos
     else:

@@ -59,14 +59,15 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, sca
                          HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                          BV: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr,
                          HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                         do=None, h=None, v_new=None, chunk_offsets=None, RECOMPUTE: gl.constexpr = False):
+                         order=None, do=None, h=None, v_new=None, chunk_offsets=None,
+                         RECOMPUTE: gl.constexpr = False):
     """One program per (V tile of BV, sequence x value head); BV // 16 warps (BV 64: one
     warpgroup, 128: two, which split V and share the chunk's q, k and T tiles).
     RECOMPUTE: o receives dv_local (from do), h the per-chunk states (state index: the
     sequence's first chunk from chunk_offsets under varlen, else sequence x chunks per
-    sequence), v_new v_new; nothing else changes."""
+    sequence), v_new v_new; nothing else changes. order: see common.sequence_of_program."""
     NW: gl.constexpr = BV // 16
-    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     head = hv // (HV // HQ)
     v_start = gl.program_id(0) * BV
     dt: gl.constexpr = q.dtype.element_ty
@@ -190,7 +191,7 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, sca
 
 
 def recompute_fused(layout, q, k, v, beta, ai, g_cum, h0, do, scale: float, block_v: int, stages: int = 2,
-                    cu_seqlens=None, num_seqs=None, chunk_offsets=None):
+                    cu_seqlens=None, num_seqs=None, chunk_offsets=None, order=None):
     """The backward's recompute in the fused kernel: -> (h [num_chunk_states, HV, K, V] in k's
     dtype, v_new and dv_local [B, T, HV, V] in v's dtype). h0: the initial state or, with
     cu_seqlens / num_seqs / chunk_offsets, the starts of the segments of a sequence split."""
@@ -206,21 +207,22 @@ def recompute_fused(layout, q, k, v, beta, ai, g_cum, h0, do, scale: float, bloc
            q, k, v, beta, ai, g_cum, h0, dv_local, None, cu_seqlens, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
            STORE_HT=False, IS_VARLEN=cu_seqlens is not None, do=do, h=h, v_new=v_new, chunk_offsets=chunk_offsets,
-           RECOMPUTE=True, num_warps=block_v // 16)
+           RECOMPUTE=True, order=order, num_warps=block_v // 16)
     return h, v_new, dv_local
 
 
 def forward_fused(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, block_v: int,
-                  stages: int = 2, cu_seqlens=None, num_seqs=None):
+                  stages: int = 2, cu_seqlens=None, num_seqs=None, order=None):
     """-> (o [B, T, HV, V] in q's dtype, final state fp32 [num_seqs, HV, K, V] or None).
     ai: T per chunk in the inputs' 16-bit type; g_cum: the scalar gate's chunk cumsums or None.
     cu_seqlens / num_seqs: run over other sequences than the layout's (the segments of a
-    sequence split, h0 then the segments' starts)."""
+    sequence split, h0 then the segments' starts). order: the sequences in the order their
+    programs run (layout.longest_first), or None."""
     T, HQ, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
     o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
     launch(gdn_fwd_fused_kernel, (ceil_div(V, block_v), num_seqs * HV),
            q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=block_v // 16)
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, order=order, num_warps=block_v // 16)
     return o, ht

@@ -27,13 +27,13 @@ BV = gl.constexpr(64)
 
 
 @gluon.jit
-def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
+def _chain(h0, ht, g_cum, cu_seqlens, order, T, v_start,
            k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
            HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
            HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The state's warpgroup: per chunk kh^T = h^T k^T, x^T = (v^T - kh^T e^B) beta,
     vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k; hands h^T and vn^T on."""
-    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     dt: gl.constexpr = k_ring.dtype
     state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, K, 16])
@@ -87,12 +87,12 @@ def _chain(h0, ht, g_cum, cu_seqlens, T, v_start,
 
 
 @gluon.jit
-def _output(o, cu_seqlens, T, scale, v_start,
+def _output(o, cu_seqlens, order, T, scale, v_start,
             q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
             HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, then
     o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
-    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     dt: gl.constexpr = q_ring.dtype
     chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, CHUNK, 16])
@@ -132,7 +132,7 @@ def _output(o, cu_seqlens, T, scale, v_start,
 
 
 @gluon.jit
-def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows,
+def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows,
             ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
             STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The load warpgroup: cp.async of each chunk's q, k (per q/k head), v and T (per value
@@ -140,7 +140,7 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_
     slot's ready barrier as they land; the chunk's gate cumsums (log2 units) and beta go to the
     slot's rows in fp32 (plain loads and stores: beta's 2-byte elements are too small for
     cp.async), published by one more arrival."""
-    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     head = hv // (HV // HQ)
     row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for c in range(0, num_chunks):
@@ -162,9 +162,9 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_
 def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
                       HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                       STAGES: gl.constexpr, HAS_G: gl.constexpr, HAS_H0: gl.constexpr,
-                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
+                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, order=None):
     """One program per (V tile of 64, sequence x value head); 4 warps here (the chain), plus the
-    output and load warpgroups."""
+    output and load warpgroups. order: see common.sequence_of_program."""
     dt: gl.constexpr = q.dtype.element_ty
     v_start = gl.program_id(0) * BV
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
@@ -191,18 +191,18 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_free.index(i), count=1)
     gl.warp_specialize([
-        (_chain, (h0, ht, g_cum, cu_seqlens, T, v_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf,
+        (_chain, (h0, ht, g_cum, cu_seqlens, order, T, v_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf,
                   ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
                   IS_VARLEN)),
-        (_output, (o, cu_seqlens, T, scale, v_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free,
+        (_output, (o, cu_seqlens, order, T, scale, v_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free,
                    h_ready, h_free, v_ready, v_free, HV, V, STAGES, IS_VARLEN)),
-        (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows,
+        (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows,
                    beta_rows, ready, free, HQ, HV, K, V, STAGES, HAS_G, IS_VARLEN)),
     ], [4, 4], [160, 64])
 
 
 def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, stages: int = 2,
-               cu_seqlens=None, num_seqs=None):
+               cu_seqlens=None, num_seqs=None, order=None):
     """As forward_fused.forward_fused with 64-wide V tiles."""
     T, HQ, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
@@ -210,5 +210,5 @@ def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: f
     launch(gdn_fwd_ws_kernel, (ceil_div(V, 64), num_seqs * HV),
            q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=160)
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, order=order, num_warps=4, maxnreg=160)
     return o, ht
