@@ -7,7 +7,7 @@ against the first variant's.
     python bench/gdn_packed_forms.py [--cases "varlen N20 B1 T32768 H16"] [--variants ...] [--out DIR]
 
 VARIANTS: name:choice=value,...;name:... over gdn_fused_forward (64, 128, ws) and
-gdn_longest_first (0, 1). Writes DIR/gdn-packed-forms-<device>-<date>.txt.
+gdn_longest_first (0, 1); "default:" takes the plan's rules. Writes DIR/gdn-packed-forms-<device>-<date>.txt.
 """
 import argparse
 import datetime
@@ -25,7 +25,8 @@ from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 from gdn_fused_backward import kernel_us, parse_variants  # noqa: E402
 
-VARIANTS = ("one-role-128:gdn_fused_forward=128,gdn_longest_first=0;"
+VARIANTS = ("default:;"
+            "one-role-128:gdn_fused_forward=128,gdn_longest_first=0;"
             "one-role-128-longest:gdn_fused_forward=128,gdn_longest_first=1;"
             "ws:gdn_fused_forward=ws,gdn_longest_first=0;"
             "ws-longest:gdn_fused_forward=ws,gdn_longest_first=1;"

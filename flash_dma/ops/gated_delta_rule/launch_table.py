@@ -196,16 +196,18 @@ WARP_ROLES_MAX_TILES_PER_SM = 2.0
 
 
 def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool,
-                       device: torch.device):
+                       device: torch.device, varlen: bool = False):
     """The fused forward's form: "ws" (warp roles, 64-wide V tiles), 64 or 128 (the V tile of
-    the one-role kernel), or None where the Triton passes run."""
+    the one-role kernel), or None where the Triton passes run. Packed sequences (varlen) take
+    warp roles at any size: their longest chain, not the total work, sets the time, and a chunk
+    step of the warp-role kernel is about half the one-role kernel's."""
     if not fused_forward_fits(K, V, dtype, has_gk, device):
         return None
     sm = device_info(device).sm_count
     tiles = chains * (V // 64)
     if tiles < FUSED_MIN_TILES_PER_SM * sm:
         return None
-    if tiles <= WARP_ROLES_MAX_TILES_PER_SM * sm:
+    if tiles <= WARP_ROLES_MAX_TILES_PER_SM * sm or varlen:
         return "ws"
     return 128 if V % 128 == 0 else 64
 
@@ -220,8 +222,11 @@ def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: 
 # (a building block of a fused backward that keeps h on chip).
 FUSED_RECOMPUTE_BY_DEFAULT = False
 
-# Packed sequences of mixed lengths run by the fused kernels longest first (not measured yet).
-LONGEST_FIRST = False
+# Packed sequences of mixed lengths run by the fused kernels longest first, and with warp roles
+# (fused_forward_tile), from bench/gdn_packed_forms.py (H100; 20 sequences of 53-4462 tokens
+# filling T = 32768 at H16, K = V = 128; forward kernel us, as given / longest first): one-role
+# 128 wide 414 / 325, warp roles 288 / 270. The longest sequence (70 chunks) sets the time.
+LONGEST_FIRST = True
 
 
 def fused_recompute_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,

@@ -315,7 +315,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
-                         fused_forward=_fused_forward(K, V, chains, dtype, has_gk, device),
+                         fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
@@ -323,12 +323,13 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
 
-def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
+def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, varlen: bool,
+                   device) -> Chosen:
     """The fused forward's form: launch_table's rule, or the override (0: off); a forced form
     the call cannot take is an error, not a silent fallback."""
     chosen = choice("gdn_fused_forward")
     if chosen.value is None:
-        return Chosen(launch_table.fused_forward_tile(K, V, chains, dtype, has_gk, device), "rule")
+        return Chosen(launch_table.fused_forward_tile(K, V, chains, dtype, has_gk, device, varlen), "rule")
     if chosen.value == 0:
         return Chosen(None, "override")
     tile = 64 if chosen.value == "ws" else chosen.value

@@ -230,13 +230,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 job = json.loads(sys.argv[2])
 module, name = job["kernel"].rsplit(".", 1)
 kernel = getattr(importlib.import_module(module), name)
-signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]},
-             **job["late_pointers"], **{c: "constexpr" for c in job["late_constants"]}}
-constants = {**job["constants"], **job["late_constants"]}
+signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]}}
 order = list(signature)
-aligned = {(order.index(n),): [["tt.divisibility", 16]]  # as launches specialise them
-           for n in [*job["pointers"], *job["late_pointers"]]}
-compiled = triton.compile(GluonASTSource(kernel, signature, constants, aligned),
+aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
+compiled = triton.compile(GluonASTSource(kernel, signature, job["constants"], aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])
 from triton.tools.disasm import get_sass
 sass = get_sass(compiled.asm["cubin"])
@@ -245,12 +242,10 @@ print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metad
 """
 
 
-def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict,
-                     late_pointers: dict | None = None, late_constants: dict | None = None) -> dict:
+def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict) -> dict:
     """Compile a Gluon kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
     ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes, "mmas": warpgroup MMA instructions,
-    "mma_waits": waits for them in the SASS}. The signature is pointers, scalars, constants, then
-    late_pointers and late_constants (parameters after the constexprs, as the kernel lists them). In a fresh process without
+    "mma_waits": waits for them in the SASS}. In a fresh process without
     TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
     it runs kernels, which a compile in the same process could meet."""
     import json
@@ -262,8 +257,7 @@ def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict
     root = str(Path(__file__).resolve().parents[3])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     job = json.dumps({"kernel": kernel, "pointers": pointers, "scalars": scalars, "constants": constants,
-                      "options": options, "late_pointers": late_pointers or {},
-                      "late_constants": late_constants or {}})
+                      "options": options})
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, root, job], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{kernel} did not compile for sm_90a:\n{proc.stderr[-4000:]}"

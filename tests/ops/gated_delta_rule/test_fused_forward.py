@@ -73,6 +73,7 @@ def test_gpu_fused_forward_rule_by_programs():
     assert tile(128, 128, sm // 2, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, sm, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128
+    assert tile(128, 128, 4 * sm, torch.bfloat16, False, dev, varlen=True) == "ws"  # packed: warp roles
     assert tile(128, 192, 2 * sm, torch.bfloat16, False, dev) == 64
     assert tile(128, 128, 2 * sm, torch.bfloat16, True, dev) is None
     assert tile(128, 128, 2 * sm, torch.float32, False, dev) is None
@@ -168,24 +169,20 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "ai": "*bf16", "g_cum": "*fp32",
-                "h0": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32"}
+                "h0": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32", "order": "*i32"}
     constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
                  "STORE_HT": True, "IS_VARLEN": varlen}
     gluon = "flash_dma.ops.gated_delta_rule.gluon"
-    late_pointers, late_constants = {}, {}
     if form == "ws":
         kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
-        late_pointers = {"order": "*i32"} if varlen else {}  # packed sequences longest first
     else:
         tile = int(str(form).split("-")[-1])
         kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": tile // 16}
-        constants = {**constants, "BV": tile}
-        if str(form).startswith("recompute"):
-            constants["STORE_HT"] = False
-            late_pointers = {"order": "*i32", "do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"}
-            late_constants = {"RECOMPUTE": True}
-    compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options,
-                                late_pointers, late_constants)
+        # the recompute form's tensors (passed in both forms here: unread by the forward's)
+        pointers.update({"do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"})
+        recompute = str(form).startswith("recompute")
+        constants = {**constants, "BV": tile, "STORE_HT": not recompute, "RECOMPUTE": recompute}
+    compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options)
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
     assert_mma_not_serialised(compiled)

@@ -55,17 +55,18 @@ def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, d
 
 
 @gluon.jit(do_not_specialize=["T"])
-def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, do, h, v_new, chunk_offsets, T, scale,
                          HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                          BV: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr,
                          HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                         order=None, do=None, h=None, v_new=None, chunk_offsets=None,
                          RECOMPUTE: gl.constexpr = False):
     """One program per (V tile of BV, sequence x value head); BV // 16 warps (BV 64: one
     warpgroup, 128: two, which split V and share the chunk's q, k and T tiles).
     RECOMPUTE: o receives dv_local (from do), h the per-chunk states (state index: the
     sequence's first chunk from chunk_offsets under varlen, else sequence x chunks per
-    sequence), v_new v_new; nothing else changes. order: see common.sequence_of_program."""
+    sequence), v_new v_new; nothing else changes; without it do, h, v_new and chunk_offsets are
+    None. order: see common.sequence_of_program. (Every tensor argument comes before the
+    constexprs, so that runtime.launch can replay the launch.)"""
     NW: gl.constexpr = BV // 16
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     head = hv // (HV // HQ)
@@ -204,10 +205,9 @@ def recompute_fused(layout, q, k, v, beta, ai, g_cum, h0, do, scale: float, bloc
     h = torch.empty(layout.num_chunk_states, HV, K, V, device=q.device, dtype=k.dtype)
     v_new, dv_local = torch.empty_like(v), torch.empty_like(v)
     launch(gdn_fwd_fused_kernel, (ceil_div(V, block_v), num_seqs * HV),
-           q, k, v, beta, ai, g_cum, h0, dv_local, None, cu_seqlens, T, scale,
+           q, k, v, beta, ai, g_cum, h0, dv_local, None, cu_seqlens, order, do, h, v_new, chunk_offsets, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=False, IS_VARLEN=cu_seqlens is not None, do=do, h=h, v_new=v_new, chunk_offsets=chunk_offsets,
-           RECOMPUTE=True, order=order, num_warps=block_v // 16)
+           STORE_HT=False, IS_VARLEN=cu_seqlens is not None, RECOMPUTE=True, num_warps=block_v // 16)
     return h, v_new, dv_local
 
 
@@ -222,7 +222,7 @@ def forward_fused(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale
     HV, V = v.shape[2], v.shape[3]
     o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
     launch(gdn_fwd_fused_kernel, (ceil_div(V, block_v), num_seqs * HV),
-           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, None, None, None, None, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, order=order, num_warps=block_v // 16)
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=block_v // 16)
     return o, ht

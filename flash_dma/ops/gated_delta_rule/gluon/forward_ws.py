@@ -159,12 +159,13 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_r
 
 
 @gluon.jit(do_not_specialize=["T"])
-def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
                       HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                       STAGES: gl.constexpr, HAS_G: gl.constexpr, HAS_H0: gl.constexpr,
-                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, order=None):
+                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """One program per (V tile of 64, sequence x value head); 4 warps here (the chain), plus the
-    output and load warpgroups. order: see common.sequence_of_program."""
+    output and load warpgroups. order: see common.sequence_of_program (a tensor argument before
+    the constexprs, so that runtime.launch can replay the launch)."""
     dt: gl.constexpr = q.dtype.element_ty
     v_start = gl.program_id(0) * BV
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
@@ -208,7 +209,7 @@ def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: f
     HV, V = v.shape[2], v.shape[3]
     o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
     launch(gdn_fwd_ws_kernel, (ceil_div(V, 64), num_seqs * HV),
-           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, T, scale,
+           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, order=order, num_warps=4, maxnreg=160)
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=160)
     return o, ht
