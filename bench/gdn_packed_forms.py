@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
 from flash_dma.benchmarks import gdn  # noqa: E402
-from flash_dma.benchmarks.common import environment, time_ms  # noqa: E402
+from flash_dma.benchmarks.common import environment, time_ms, write_lines  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 from gdn_fused_backward import kernel_us, parse_variants  # noqa: E402
 
@@ -74,11 +74,7 @@ def main() -> int:
             diff = float((o.double() - first.double()).norm() / first.double().norm())
             lines.append(f"| {case.label} | {name} | {f_ms:.3f} | {fb_ms:.3f} | {us:.0f} | {diff:.1e} |")
             print(lines[-1], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gdn-packed-forms-{env['device'].replace(' ', '-')}-{datetime.date.today():%Y%m%d}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    write_lines(args.out, "gdn-packed-forms", lines)
     return 0
 
 

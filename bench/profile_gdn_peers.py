@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from flash_dma.benchmarks import gdn  # noqa: E402
+from flash_dma.benchmarks.common import write_lines  # noqa: E402
 
 
 def kernel_table(fn):
@@ -93,12 +94,7 @@ def main() -> int:
             print("\n".join(lines[-40:]), flush=True)
         del x
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    device = torch.cuda.get_device_name().replace(" ", "-")
-    path = os.path.join(args.out, f"gdn-kernels-{device}-{datetime.date.today():%Y%m%d}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    write_lines(args.out, "gdn-kernels", lines)
     return 0
 
 

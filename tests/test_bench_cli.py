@@ -558,3 +558,13 @@ def test_attention_walk_peer_runs_ours_without_compaction(monkeypatch):
         assert calls == []
         attention.ours(case, x)[0]()
         assert calls == [8]
+
+
+def test_write_lines_names_the_report_by_device_and_date(tmp_path):
+    """A bench script's text report: <stem>-<device>-<date>.txt in the folder, the lines as given."""
+    import datetime
+    from flash_dma.benchmarks.common import write_lines
+    path = write_lines(str(tmp_path / "out"), "gdn-kernels", ["a", "b"])
+    name = path.rsplit("/", 1)[-1]
+    assert name.startswith("gdn-kernels-") and name.endswith(f"-{datetime.date.today():%Y%m%d}.txt")
+    assert " " not in name and open(path).read() == "a\nb\n"

@@ -130,6 +130,19 @@ def format_report(title: str, env: dict, sections: Sequence[Section]) -> str:
     return "\n".join(lines)
 
 
+def write_lines(folder: str, stem: str, lines: Sequence[str]) -> str:
+    """A bench script's text report as folder/<stem>-<device>-<date>.txt; -> its path (printed)."""
+    import os
+    env = environment()
+    os.makedirs(folder, exist_ok=True)
+    device = str(env.get("device") or "cpu").split(" (")[0].replace(" ", "-")
+    path = os.path.join(folder, f"{stem}-{device}-{datetime.date.today():%Y%m%d}.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def write_json(path: str, title: str, env: dict, sections: Sequence[Section],
                notes: Sequence[str] = ()) -> None:
     data = {"title": title, "environment": env, "notes": list(notes), "sections": [

@@ -28,22 +28,27 @@ CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or No
 @pytest.mark.parametrize("form", ["ws", 64, 128])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_fused_forward(name, form, split):
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    if V % (64 if form == "ws" else form):
-        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
-    torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     chosen = {"gdn_fused_forward": form}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
+    _check_case(name, 64 if form == "ws" else form, chosen,
+                lambda plan: plan.fused_forward.value == form and plan.segment_chunks() == split)
+
+
+def _check_case(name, tile, chosen, planned):
+    """CASES[name] under the overrides `chosen`, every output and gradient against fp64 (skipped
+    where V is not a multiple of the kernel's tile); planned(plan): the plan took them."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if V % tile:
+        pytest.skip(f"V {V} is not a multiple of the tile of {tile}")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     with overrides(**chosen):
-        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
-        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.fused_forward.value == form and plan.segment_chunks() == split
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, chunk_layout(B, T, kwargs.get("cu_seqlens")))
+        assert planned(plan)
         poison_allocator(B * T * HV * V, dtype)
         check_against_reference(inputs, dtype, **kwargs)
-
 
 def test_fused_forward_rule():
     """Picked only on an SM90 GPU for what the kernel computes, where enough programs run; a
@@ -88,22 +93,10 @@ def test_gpu_fused_forward_rule_by_programs():
 def test_gpu_fused_recompute(name, form, split):
     """The backward's states, v_new and intra-chunk dv from the one-role kernel's recompute
     form (whole, and over segments from the forward's starts): every gradient against fp64."""
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    if V % form:
-        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
-    torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     chosen = {"gdn_fused_recompute": form}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
-    with overrides(**chosen):
-        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
-        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.fused_recompute.value == form and plan.segment_chunks() == split
-        poison_allocator(B * T * HV * V, dtype)
-        check_against_reference(inputs, dtype, **kwargs)
-
+    _check_case(name, form, chosen, lambda plan: plan.fused_recompute.value == form and plan.segment_chunks() == split)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
@@ -113,18 +106,9 @@ def test_gpu_fused_recompute(name, form, split):
 def test_gpu_fused_kernels_take_packed_sequences_longest_first(name, form, recompute):
     """gdn_longest_first: the fused forward (and the fused recompute) map their programs to the
     packed sequences longest first; every output and gradient against fp64."""
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    if V % (64 if form == "ws" else form):
-        pytest.skip(f"V {V} is not a multiple of the tile of {form}")
-    torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=len(lengths))
-    cu = cu_from_lengths(lengths)
-    with overrides(gdn_fused_forward=form, gdn_fused_recompute=recompute, gdn_longest_first=True):
-        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, chunk_layout(B, T, cu))
-        assert plan.longest_first.value
-        poison_allocator(B * T * HV * V, dtype)
-        check_against_reference(inputs, dtype, cu_seqlens=cu)
-
+    _check_case(name, 64 if form == "ws" else form,
+                {"gdn_fused_forward": form, "gdn_fused_recompute": recompute, "gdn_longest_first": True},
+                lambda plan: plan.longest_first.value and plan.fused_forward.value == form)
 
 def test_longest_first_order():
     """The packed sequences' indices by length, longest first, ties in the given order, int32,

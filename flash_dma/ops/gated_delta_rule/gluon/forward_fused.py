@@ -54,6 +54,40 @@ def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, d
     async_copy.commit_group()
 
 
+@gluon.jit
+def _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk: gl.constexpr, chunk_acc: gl.constexpr):
+    """Once kh^T has landed: x^T = (v^T - kh^T e^B) beta, and vn^T = x^T T^T issued, from the
+    ring slot's v and T. -> (e^B, vn^T in flight). The two products issued before it (kh^T
+    first) complete in issue order."""
+    eb = exp2_ftz(b)
+    v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
+    kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
+    x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
+    vn = warpgroup_mma(gl.convert_layout(x.to(v_ring.dtype), a_for_chunk), t_ring.index(slot).permute((1, 0)),
+                       gl.zeros(kh.shape, gl.float32, chunk_acc), use_acc=False, is_async=True)
+    return eb, vn
+
+
+@gluon.jit
+def _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state: gl.constexpr):
+    """h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k issued (rows past the sequence decay to 0)."""
+    decay = gl.where(cols < n_valid, exp2_ftz(b_last - b), 0.0)
+    return warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(k_tile.dtype), a_for_state), k_tile,
+                         state * gl.exp2(b_last), is_async=True)
+
+
+@gluon.jit
+def _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc: gl.constexpr):
+    """P^T = scale (k q^T . e^(B_i - B_j)) on j <= i into shared memory, visible to the next
+    warpgroup MMA once every warp has written its part."""
+    b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
+    b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
+    p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :], pt * exp2_ftz(b_i[None, :] - b_j[:, None]),
+                           0.0).to(p_stage.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
 @gluon.jit(do_not_specialize=["T"])
 def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, do, h, v_new, chunk_offsets, T, scale,
                          HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
@@ -129,27 +163,15 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
             pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
                                use_acc=False, is_async=True)
             store_state(h, state, (chunk0 + c) * HV + hv, v_start, V, BV, K, NW)
-            eb = exp2_ftz(b)
-            v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
-            kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
-            x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
-            vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
-                               gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+            eb, vn = _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk, chunk_acc)
             pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-            b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
-            b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
-            p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :],
-                                   pt * exp2_ftz(b_i[None, :] - b_j[:, None]), 0.0).to(dt))
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's part of P^T is in shared memory
+            _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc)
             do_t = do_ring.index(slot).permute((1, 0)).load(a_for_chunk)  # do^T [BV, 64]
             dvl = warpgroup_mma(do_t, p_stage.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
                                 use_acc=False, is_async=True)
             vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
             store_output(v_new, vn, tok0, n_valid, hv, HV, V, v_start, BV, NW)
-            decay = gl.where(cols < n_valid, exp2_ftz(b_last - b), 0.0)
-            state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile,
-                                  state * gl.exp2(b_last), is_async=True)
+            state = _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state)
             dvl, state = warpgroup_mma_wait(num_outstanding=0, deps=(dvl, state))
             store_output(o, dvl, tok0, n_valid, hv, HV, V, v_start, BV, NW)
         else:
@@ -159,28 +181,16 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
                                use_acc=False, is_async=True)
             qh = warpgroup_mma(h_a, q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
                                use_acc=False, is_async=True)
-            eb = exp2_ftz(b)
-            v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
-            kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
-            x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
-            vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
-                               gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+            eb, vn = _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk, chunk_acc)
             qh = warpgroup_mma_wait(num_outstanding=1, deps=(qh, ))
             pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
                                use_acc=False, is_async=True)
             out = qh * (eb * scale)[None, :]
             vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
-            decay = gl.where(cols < n_valid, exp2_ftz(b_last - b), 0.0)
-            state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile,
-                                  state * gl.exp2(b_last), is_async=True)
+            state = _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state)
             # P^T off the chain, while the state product runs
             pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-            b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
-            b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
-            p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :], pt * exp2_ftz(b_i[None, :] - b_j[:, None]),
-                                   0.0).to(dt))
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's part of P^T is in shared memory
+            _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc)
             out = warpgroup_mma(gl.convert_layout(vn.to(dt), a_for_chunk), p_stage, out, is_async=True)
             out, state = warpgroup_mma_wait(num_outstanding=0, deps=(out, state))
             store_output(o, out, tok0, n_valid, hv, HV, V, v_start, BV, NW)
