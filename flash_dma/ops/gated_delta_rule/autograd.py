@@ -5,8 +5,8 @@ full, the state pass forms the WY products from T itself. On SM90, where enough 
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
 states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
-recomputes w, u and the states (on SM90 where the forward runs its one-role fused kernel, that
-kernel again in its recompute form, which also forms the intra-chunk dv), then runs the
+recomputes w, u and the states (with gdn_fused_recompute, off by default, the one-role fused
+forward kernel again in its recompute form, which also forms the intra-chunk dv), then runs the
 state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
 kernels are the plan's backend's (one module per pass).
 """
@@ -139,6 +139,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
+    fold_dv = plan.dhu_local_dv_on()
+    tile = plan.fused_recompute_tile() if gk is None and not fold_dv and ai is not None else None
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
@@ -146,12 +148,10 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
+        # u only for a Triton state pass that reads w and u (the fused recompute forms v_new from T)
         w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
-                                           with_u=not plan.backward_states_from_inverse.value
-                                           and not plan.fused_recompute.value)
+                                           with_u=not plan.backward_states_from_inverse.value and not tile)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
-    fold_dv = plan.dhu_local_dv_on()
-    tile = plan.fused_recompute_tile() if gk is None and not fold_dv else None
     if tile:
         h, v_new, dv_local, segments = _fused_recompute(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
                                                         do, scale, tile, segments)
@@ -290,7 +290,8 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     # The plan's choices set the kernels' constants; T only Triton's divisibility specialisation.
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
-               plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value)
+               plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value, plan.fused_forward.value,
+               plan.fused_recompute.value, plan.longest_first.value, plan.fused_backward.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
            layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)

@@ -199,8 +199,9 @@ def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: 
                        device: torch.device, varlen: bool = False):
     """The fused forward's form: "ws" (warp roles, 64-wide V tiles), 64 or 128 (the V tile of
     the one-role kernel), or None where the Triton passes run. Packed sequences (varlen) take
-    warp roles at any size: their longest chain, not the total work, sets the time, and a chunk
-    step of the warp-role kernel is about half the one-role kernel's."""
+    warp roles wherever the fused forward runs (not only up to two waves): their longest chain,
+    not the total work, sets the time, and a chunk step of the warp-role kernel is about half the
+    one-role kernel's."""
     if not fused_forward_fits(K, V, dtype, has_gk, device):
         return None
     sm = device_info(device).sm_count
@@ -230,12 +231,12 @@ LONGEST_FIRST = True
 
 
 def fused_recompute_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
-                         device: torch.device) -> int | None:
+                         device: torch.device, varlen: bool = False) -> int | None:
     """The V tile of the backward's fused recompute (gluon/forward_fused.py in its recompute
     form: states, v_new and the intra-chunk dv in one kernel), or None (the Triton state pass and
     local_dv pass). With FUSED_RECOMPUTE_BY_DEFAULT: where the forward runs the one-role kernel,
     with its tile."""
-    tile = fused_forward_tile(K, V, chains, dtype, has_gk, device)
+    tile = fused_forward_tile(K, V, chains, dtype, has_gk, device, varlen)
     return tile if FUSED_RECOMPUTE_BY_DEFAULT and keeps_inverse and tile in (64, 128) else None
 
 

@@ -317,7 +317,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
-                         fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, device),
+                         fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, varlen, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
@@ -341,12 +341,12 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
 
 
 def _fused_recompute(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
-                     device) -> Chosen:
+                     varlen: bool, device) -> Chosen:
     """The backward's fused recompute: launch_table's rule, or the override (0: off); a forced
     tile the call cannot take is an error, not a silent fallback."""
     chosen = choice("gdn_fused_recompute")
     if chosen.value is None:
-        return Chosen(launch_table.fused_recompute_tile(K, V, chains, dtype, has_gk, keeps_inverse, device),
+        return Chosen(launch_table.fused_recompute_tile(K, V, chains, dtype, has_gk, keeps_inverse, device, varlen),
                       "rule")
     if chosen.value == 0:
         return Chosen(None, "override")

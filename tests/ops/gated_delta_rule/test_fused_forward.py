@@ -50,6 +50,7 @@ def _check_case(name, tile, chosen, planned):
         poison_allocator(B * T * HV * V, dtype)
         check_against_reference(inputs, dtype, **kwargs)
 
+
 def test_fused_forward_rule():
     """Picked only on an SM90 GPU for what the kernel computes, where enough programs run; a
     forced tile the call cannot take is an error naming the choice."""
@@ -96,7 +97,9 @@ def test_gpu_fused_recompute(name, form, split):
     chosen = {"gdn_fused_recompute": form}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
-    _check_case(name, form, chosen, lambda plan: plan.fused_recompute.value == form and plan.segment_chunks() == split)
+    _check_case(name, form, chosen, lambda plan: (plan.fused_recompute.value == form and not plan.dhu_local_dv.value
+                                                  and plan.segment_chunks() == split))
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
@@ -108,7 +111,30 @@ def test_gpu_fused_kernels_take_packed_sequences_longest_first(name, form, recom
     packed sequences longest first; every output and gradient against fp64."""
     _check_case(name, 64 if form == "ws" else form,
                 {"gdn_fused_forward": form, "gdn_fused_recompute": recompute, "gdn_longest_first": True},
-                lambda plan: plan.longest_first.value and plan.fused_forward.value == form)
+                lambda plan: (plan.longest_first.value and plan.fused_forward.value == form
+                              and plan.fused_recompute.value == (recompute or None)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused recompute runs on SM90 GPUs")
+def test_gpu_fused_recompute_finds_the_segments_again():
+    """A cut backward given no segments (the custom op re-plans after overrides changed) finds
+    the segments' starts again before its recompute: the same gradients as with the forward's."""
+    from flash_dma.ops.gated_delta_rule.autograd import run_backward, run_forward
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES["g-h0-K128"]
+    torch.manual_seed(0)
+    x = make_inputs(B, T, H, HV, K, V, dtype, gate, states)
+    with overrides(gdn_fused_recompute=64, gdn_chunks_per_segment=3):
+        args = (x["q"], x["k"], x["v"], x["g"], None, x["beta"], K ** -0.5, x["initial_state"])
+        o, _, g_cum, ai, segments, layout, plan = run_forward(*args, False, None)
+        assert segments is not None and plan.fused_recompute.value == 64
+        do = torch.randn_like(o)
+        kept = run_backward(plan, layout, *args, g_cum, ai, do, None, segments)
+        found = run_backward(plan, layout, *args, g_cum, ai, do, None, None)
+    for a, b in zip(kept, found):
+        if a is not None:
+            assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+
 
 def test_longest_first_order():
     """The packed sequences' indices by length, longest first, ties in the given order, int32,

@@ -18,10 +18,11 @@ the chain of dependent products.
 
 Scalar gate or none; K 64 or 128, V a multiple of BV; 16-bit inputs (T in the input type).
 
-The backward runs the same kernel again in its recompute form (RECOMPUTE): it writes what the
-backward's passes read, the states h[c] at each chunk start (in the input type) and v_new, and
-in place of the output the intra-chunk part of dv, dv_local^T = do^T P^T^T (the same P^T, staged
-the same way): one kernel where the Triton path runs its state pass and its local_dv pass.
+With gdn_fused_recompute (off by default: measured no faster) the backward runs the same kernel
+again in its recompute form (RECOMPUTE): it writes what the backward's passes read, the states
+h[c] at each chunk start (in the input type) and v_new, and in place of the output the
+intra-chunk part of dv, dv_local^T = do^T P (P^T staged as for the output, read transposed): one
+kernel where the Triton path runs its state pass and its local_dv pass.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
