@@ -20,6 +20,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_fused_recompute        the backward's recomputation of the states, v_new and the intra-chunk
                              dv as the one-role fused forward kernel in its recompute form (64 or
                              128: its V tile) instead of the Triton state pass and local_dv pass;
+  gdn_sequential_backward    the backward's local_dv, bwd_dhu and chunk passes as one sequential
+                             SM90 kernel per (sequence, value head) (gluon/backward_sequential.py;
+                             not measured yet, off by default);
   gdn_fused_backward         the backward's chunk-parallel passes (dq, dk, dw, then back through
                              the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
                              the Triton bwd_dqkw and bwd_wy passes;
@@ -68,6 +71,9 @@ declare_choice("gdn_longest_first", None, (True, False),
 declare_choice("gdn_fused_recompute", None, (0, 64, 128),
                "the backward's states, v_new and intra-chunk dv in the one-role fused kernel, 64 or 128 its V "
                "tile (0: the Triton state pass and local_dv pass; default: launch_table's rule)")
+declare_choice("gdn_sequential_backward", None, (True, False),
+               "the backward's local_dv, bwd_dhu and chunk passes as one sequential Hopper kernel "
+               "(default: launch_table's rule)")
 declare_choice("gdn_fused_backward", None, (True, False),
                "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_dhu_local_dv", None, (True, False),
@@ -102,6 +108,7 @@ class DeltaRulePlan:
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     fused_recompute: Chosen = Chosen(None, "table")  # 64 or 128 (the recompute kernel's V tile), or None
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
+    sequential_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_sequential.py
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
@@ -131,6 +138,14 @@ class DeltaRulePlan:
         log_choice(OP, "fused_recompute", "gluon" if tile else self.backend, self.info, self.shape,
                    f"one_role block_v={tile}" if tile else "off", self.fused_recompute.source)
         return tile
+
+    def sequential_backward_on(self) -> bool:
+        """Whether the backward's local_dv, bwd_dhu and chunk passes run as the one sequential
+        Gluon kernel; logged like a launch."""
+        on = bool(self.sequential_backward.value)
+        log_choice(OP, "sequential_backward", "gluon" if on else self.backend, self.info, self.shape,
+                   "one_kernel warps=8" if on else "off", self.sequential_backward.source)
+        return on
 
     def fused_backward_on(self) -> bool:
         """Whether the backward's dqkw and WY passes run as the one Gluon kernel; logged like a
@@ -319,6 +334,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, varlen, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
+                         sequential_backward=_sequential_backward(K, V, dtype, has_gk, keep, segments.value, device),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
@@ -355,6 +371,23 @@ def _fused_recompute(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bo
             f"gdn_fused_recompute={chosen.value!r}: the fused recompute needs an SM90 GPU, no gk, K 64 or 128, V a "
             f"multiple of {chosen.value} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, "
             f"dtype {dtype}")
+    return chosen
+
+
+def _sequential_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool, cut,
+                         device) -> Chosen:
+    """Whether the backward runs as the one sequential kernel: launch_table's rule, or the
+    override; forced where it cannot run, an error, not a silent fallback."""
+    chosen = choice("gdn_sequential_backward")
+    fits = (launch_table.sequential_backward_fits(K, V, dtype, has_gk, device) and keeps_inverse
+            and cut is None)
+    if chosen.value is None:
+        return Chosen(fits and launch_table.SEQUENTIAL_BACKWARD_BY_DEFAULT, "rule")
+    if chosen.value and not fits:
+        raise ValueError(
+            f"gdn_sequential_backward={chosen.value!r}: the sequential backward needs an SM90 GPU, no gk, K = V "
+            f"(64 or 128), 16-bit inputs, T kept and no sequence split; got device {device}, gk {has_gk}, K {K}, "
+            f"V {V}, dtype {dtype}, T kept {keeps_inverse}, chunks per segment {cut}")
     return chosen
 
 
@@ -439,8 +472,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "longest_first", "fused_backward",
-                 "dhu_local_dv",
+                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "longest_first",
+                 "sequential_backward", "fused_backward", "dhu_local_dv",
                  "dhu_w_from_t"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
