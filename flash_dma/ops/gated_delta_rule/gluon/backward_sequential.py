@@ -174,7 +174,8 @@ def gdn_bwd_sequential_kernel(q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, d
         y = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
                           is_async=True)
         y = warpgroup_mma_wait(num_outstanding=0, deps=(y, t_s, du_s))[0]
-        _publish(dw_s, y.to(dt))  # (dw_s: free once the chunk math is done; K == V)
+        gl.thread_barrier()  # both warpgroups are past the chunk math's last product reading dw_s
+        _publish(dw_s, y.to(dt))  # (K == V: dw's tile holds T^T dv2)
         b_t = _gate_rows(g_cum, tok0, n_valid, hv, HV, t_cols, HAS_G)
         e_t = exp2_ftz(b_t)
         beta_t = gl.load(beta + (tok0 + t_cols) * HV + hv, mask=t_cols < n_valid, other=0.0).to(gl.float32)
