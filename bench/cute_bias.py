@@ -13,8 +13,7 @@ FlexAttention, bf16, one process:
   TMA through FA4's shared dS tile where it can (cute/backward_bias_tma.py): bwd-direct turns
   both off, bwd-bias-tma and bwd-dbias-tma keep one;
 - cute-hook: both passes through FA4's per-element score_mod hooks (hooks.py);
-- auto: what a call gets by default (the backend and paths select.py picks); auto-key-sums-shared
-  sums a per-key dbias from the shared dS tile instead of the score fragments (D64);
+- auto: what a call gets by default (the backend and paths select.py picks);
 - triton: flash-dma's Triton backend; flex: FlexAttention with a score_mod reading the bias;
 - cute-plain: the same problem without the bias (what the bias costs).
 The forward is timed alone (do_bench median), the backward as torch.autograd.grad of a kept
@@ -72,7 +71,6 @@ VARIANTS = {
     "cute-hook": ("cute", dict(attention_cute_bias=True, attention_cute_direct_bias=False,
                                attention_cute_direct_bias_backward=False)),
     "auto": ("auto", {}),
-    "auto-key-sums-shared": ("auto", dict(attention_cute_key_sums_from_shared=True)),
     "triton": ("triton", {}),
     "flex": ("flex", {}),
     "cute-plain": ("cute", {}),

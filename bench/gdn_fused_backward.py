@@ -1,8 +1,7 @@
 """Backward variants of the gated delta rule side by side at the issue's shapes (same run, same
 inputs): the fused Hopper chunk backward (gluon/backward_chunk.py, replacing the Triton bwd_dqkw
 and bwd_wy passes) against those passes, and bwd_dhu forming the intra-chunk dv itself
-(gdn_dhu_local_dv), and the states, v_new and intra-chunk dv recomputed by the one-role fused
-kernel (gdn_fused_recompute=64 or 128; 0: the Triton state pass and local_dv pass), and the
+(gdn_dhu_local_dv), and the
 sequential backward (gdn_sequential_backward=1: local_dv, bwd_dhu and the chunk passes in one
 kernel). Per variant: do_bench medians of the public op's backward and forward +
 backward, the kernel time of the passes that differ from one profiled step, and the gradients'

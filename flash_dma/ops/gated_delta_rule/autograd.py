@@ -5,9 +5,9 @@ full, the state pass forms the WY products from T itself. On SM90, where enough 
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
 states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
-recomputes w, u and the states (with gdn_fused_recompute, off by default, the one-role fused
-forward kernel again in its recompute form, which also forms the intra-chunk dv), then runs the
-state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
+recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
+chunk-parallel gradient passes (with gdn_sequential_backward, off by default, those in one
+sequential SM90 kernel). Which way each step goes is the call's plan (plan.py); the
 kernels are the plan's backend's (one module per pass).
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from ...runtime.launch import compile_ahead, compile_ahead_enabled
 from .checks import check_bwd_dhu_inputs
 from .layout import CHUNK, ChunkLayout, as_rows, chunk_layout, total_chunks
 from .plan import DeltaRulePlan, plan_bwd_dhu, plan_call
-from .segments import segments_of
 from .triton import bwd_dhu, bwd_dqkw, bwd_wy, gate_pairs, key_gates, output, state_pass, wy_prepare
 
 # The passes of each backend, by plan.backend. A second backend (ops/gated_delta_rule/cute/)
@@ -109,30 +108,6 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
     return o, final if store_final else None, (starts, transition)
 
 
-def _fused_recompute(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state, do, scale,
-                     tile: int, segments):
-    """The backward's states, v_new and intra-chunk dv in one SM90 kernel (the one-role fused
-    forward in its recompute form): -> (h, v_new, dv_local, segments). Where the plan cuts the
-    sequences, it runs over the segments from their starts (the forward's, or found again)."""
-    from .gluon.forward_fused import recompute_fused
-    do = do.to(q.dtype)
-    per_segment = plan.segment_chunks()
-    if per_segment is None:
-        h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, initial_state, do, scale, tile,
-                                             order=plan.sequence_order(layout))
-        return h, v_new, dv_local, None
-    if segments is None:
-        seg, starts, transition, _ = BACKENDS[plan.backend].state_pass.segment_starts(
-            plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
-        segments = (starts, transition)
-    else:
-        seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, q.device)
-    h, v_new, dv_local = recompute_fused(layout, q, k, v, beta, ai, g_cum, segments[0], do, scale, tile,
-                                         cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots,
-                                         chunk_offsets=seg.chunk_offsets)
-    return h, v_new, dv_local, segments
-
-
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
              g_cum, ai, segments=None):
     """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
@@ -147,8 +122,6 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
         dq, dk, dv, dbeta, dg, dh0 = bwd_sequential(layout, q, k, v, v_new, h, do.to(q.dtype), ai, g_cum, beta, dht,
                                                     initial_state is not None, scale, plan.sequence_order(layout))
         return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
-    fold_dv = plan.dhu_local_dv_on()
-    tile = plan.fused_recompute_tile() if gk is None and not fold_dv and ai is not None else None
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
@@ -156,20 +129,14 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
-        # u only for a Triton state pass that reads w and u (the fused recompute forms v_new from T)
         w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
-                                           with_u=not plan.backward_states_from_inverse.value and not tile)
+                                           with_u=not plan.backward_states_from_inverse.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
-    if tile:
-        h, v_new, dv_local, segments = _fused_recompute(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
-                                                        do, scale, tile, segments)
-    else:
-        # u None: the state pass forms v_new from T (w is still bwd_dhu's)
-        h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai,
-                                                      None if u is None else w, u, g_cum, gk_cum, initial_state,
-                                                      store_final=False, known=segments)
-        dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale,
-                                                            v.dtype)
+    # u None: the state pass forms v_new from T (w is still bwd_dhu's)
+    h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
+                                                  g_cum, gk_cum, initial_state, store_final=False, known=segments)
+    fold_dv = plan.dhu_local_dv_on()
+    dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
     dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
                                        dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
                                        forward_transition=None if segments is None else segments[1],
@@ -299,7 +266,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
                plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value, plan.fused_forward.value,
-               plan.fused_recompute.value, plan.longest_first.value, plan.fused_backward.value,
+               plan.longest_first.value, plan.fused_backward.value,
                plan.sequential_backward.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,

@@ -213,31 +213,11 @@ def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: 
     return 128 if V % 128 == 0 else 64
 
 
-# The backward's states, v_new and intra-chunk dv from the one-role fused kernel in its recompute
-# form, from bench/gdn_fused_backward.py (H100, K = V = 128, g, h0 and final state, backward ms,
-# Triton state pass + local_dv / recompute 128 / recompute 64): B8 T4096 H32 3.365 / 3.376 /
-# 3.766, B1 T32768 H16 (cut) 2.048 / 2.069 / 2.241, B4 T4096 H16 0.919 / 1.022 / 1.249. The
-# passes it replaces are at the bandwidth floor already, and it writes the same h, v_new and
-# dv_local (at B8 T4096 H32 about 2.3 GB in and out, 0.7 ms at the copy ceiling): fusing them
-# saves only the intra pass's second read of q, k and do. Off by default; the override stays
-# (a building block of a fused backward that keeps h on chip).
-FUSED_RECOMPUTE_BY_DEFAULT = False
-
 # Packed sequences of mixed lengths run by the fused kernels longest first, and with warp roles
 # (fused_forward_tile), from bench/gdn_packed_forms.py (H100; 20 sequences of 53-4462 tokens
 # filling T = 32768 at H16, K = V = 128; forward kernel us, as given / longest first): one-role
 # 128 wide 414 / 325, warp roles 288 / 270. The longest sequence (70 chunks) sets the time.
 LONGEST_FIRST = True
-
-
-def fused_recompute_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
-                         device: torch.device, varlen: bool = False) -> int | None:
-    """The V tile of the backward's fused recompute (gluon/forward_fused.py in its recompute
-    form: states, v_new and the intra-chunk dv in one kernel), or None (the Triton state pass and
-    local_dv pass). With FUSED_RECOMPUTE_BY_DEFAULT: where the forward runs the one-role kernel,
-    with its tile."""
-    tile = fused_forward_tile(K, V, chains, dtype, has_gk, device, varlen)
-    return tile if FUSED_RECOMPUTE_BY_DEFAULT and keeps_inverse and tile in (64, 128) else None
 
 
 def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:

@@ -17,9 +17,6 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_longest_first          packed sequences (varlen) run by the fused kernels longest first
                              (programs start in grid order: the longest chains first, the short
                              ones fill the tail) rather than in the order given;
-  gdn_fused_recompute        the backward's recomputation of the states, v_new and the intra-chunk
-                             dv as the one-role fused forward kernel in its recompute form (64 or
-                             128: its V tile) instead of the Triton state pass and local_dv pass;
   gdn_sequential_backward    the backward's local_dv, bwd_dhu and chunk passes as one sequential
                              SM90 kernel per (sequence, value head) (gluon/backward_sequential.py;
                              not measured yet, off by default);
@@ -68,9 +65,6 @@ declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
 declare_choice("gdn_longest_first", None, (True, False),
                "packed sequences run by the fused kernels longest first (default: launch_table's rule)")
-declare_choice("gdn_fused_recompute", None, (0, 64, 128),
-               "the backward's states, v_new and intra-chunk dv in the one-role fused kernel, 64 or 128 its V "
-               "tile (0: the Triton state pass and local_dv pass; default: launch_table's rule)")
 declare_choice("gdn_sequential_backward", None, (True, False),
                "the backward's local_dv, bwd_dhu and chunk passes as one sequential Hopper kernel "
                "(default: launch_table's rule)")
@@ -106,7 +100,6 @@ class DeltaRulePlan:
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
-    fused_recompute: Chosen = Chosen(None, "table")  # 64 or 128 (the recompute kernel's V tile), or None
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
     sequential_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_sequential.py
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
@@ -130,14 +123,6 @@ class DeltaRulePlan:
         log_choice(OP, "sequence_order", "gluon", self.info, self.shape, "longest_first" if on else "as_given",
                    self.longest_first.source)
         return longest_first(layout.cu_seqlens) if on else None
-
-    def fused_recompute_tile(self) -> int | None:
-        """The V tile of the backward's fused recompute (states, v_new, intra-chunk dv in one
-        kernel), or None (the Triton passes); logged like a launch."""
-        tile = self.fused_recompute.value
-        log_choice(OP, "fused_recompute", "gluon" if tile else self.backend, self.info, self.shape,
-                   f"one_role block_v={tile}" if tile else "off", self.fused_recompute.source)
-        return tile
 
     def sequential_backward_on(self) -> bool:
         """Whether the backward's local_dv, bwd_dhu and chunk passes run as the one sequential
@@ -332,7 +317,6 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
-                         fused_recompute=_fused_recompute(K, V, chains, dtype, has_gk, keep, varlen, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
                          sequential_backward=_sequential_backward(K, V, dtype, has_gk, keep, segments.value, device),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
@@ -353,24 +337,6 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
         raise ValueError(
             f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
             f"multiple of {tile} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
-    return chosen
-
-
-def _fused_recompute(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool,
-                     varlen: bool, device) -> Chosen:
-    """The backward's fused recompute: launch_table's rule, or the override (0: off); a forced
-    tile the call cannot take is an error, not a silent fallback."""
-    chosen = choice("gdn_fused_recompute")
-    if chosen.value is None:
-        return Chosen(launch_table.fused_recompute_tile(K, V, chains, dtype, has_gk, keeps_inverse, device, varlen),
-                      "rule")
-    if chosen.value == 0:
-        return Chosen(None, "override")
-    if V % chosen.value or not keeps_inverse or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
-        raise ValueError(
-            f"gdn_fused_recompute={chosen.value!r}: the fused recompute needs an SM90 GPU, no gk, K 64 or 128, V a "
-            f"multiple of {chosen.value} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, "
-            f"dtype {dtype}")
     return chosen
 
 
@@ -472,7 +438,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "fused_recompute", "longest_first",
+                 "dhu_chunks_per_segment", "fused_forward", "longest_first",
                  "sequential_backward", "fused_backward", "dhu_local_dv",
                  "dhu_w_from_t"):
         chosen = getattr(plan, name)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, ON_GPU
 from helpers import TOLERANCE, rel_err
 from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
+from flash_dma.runtime.config import overrides
 from flash_dma.ops.gated_delta_rule.reference import (bwd_dhu_reference, chunk_form_reference,
                                                       gated_delta_rule_reference)
 
@@ -62,6 +63,26 @@ def make_inputs(B, T, H, HV, K, V, dtype, gate="g", states=False, n_seqs=None, n
     n = B if n_seqs is None else n_seqs
     h0 = torch.randn(n, HV, K, V, device=DEVICE) if states else None
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "gk": gk, "initial_state": h0}
+
+
+def assert_same_gradients(grads: dict, bound: float, what: str) -> None:
+    """grads[True] and grads[False] ({leaf: gradient} of check_against_reference under a choice
+    on and off, with the same cotangents): equal within `bound` relative error per leaf."""
+    for leaf, got in grads[True].items():
+        want = grads[False][leaf].double()
+        err = float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+        assert err < bound, f"d{leaf}: relative error {err:.2e} between {what}"
+
+
+def assert_choice_keeps_gradients(inputs, dtype, kwargs: dict, choice: str, bound: float, what: str) -> None:
+    """The op's gradients with the declared choice on and off (the same output cotangents for
+    both, each checked against fp64) agree within `bound`."""
+    grads = {}
+    for on in (True, False):
+        torch.manual_seed(2)
+        with overrides(**{choice: on}):
+            _, grads[on] = check_against_reference(inputs, dtype, **kwargs)
+    assert_same_gradients(grads, bound, what)
 
 
 def cu_from_lengths(lengths, dtype=torch.int32):

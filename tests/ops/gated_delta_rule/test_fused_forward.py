@@ -87,53 +87,15 @@ def test_gpu_fused_forward_rule_by_programs():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_SM90, reason="the fused recompute runs on SM90 GPUs")
-@pytest.mark.parametrize("split", [None, 1, 3])
-@pytest.mark.parametrize("form", [64, 128])
-@pytest.mark.parametrize("name", list(CASES))
-def test_gpu_fused_recompute(name, form, split):
-    """The backward's states, v_new and intra-chunk dv from the one-role kernel's recompute
-    form (whole, and over segments from the forward's starts): every gradient against fp64."""
-    chosen = {"gdn_fused_recompute": form}
-    if split is not None:
-        chosen["gdn_chunks_per_segment"] = split
-    _check_case(name, form, chosen, lambda plan: (plan.fused_recompute.value == form and not plan.dhu_local_dv.value
-                                                  and plan.segment_chunks() == split))
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
-@pytest.mark.parametrize("recompute", [0, 64])
+@pytest.mark.parametrize("longest_first", [True, False])
 @pytest.mark.parametrize("form", ["ws", 64, 128])
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] is not None])
-def test_gpu_fused_kernels_take_packed_sequences_longest_first(name, form, recompute):
-    """gdn_longest_first: the fused forward (and the fused recompute) map their programs to the
-    packed sequences longest first; every output and gradient against fp64."""
-    _check_case(name, 64 if form == "ws" else form,
-                {"gdn_fused_forward": form, "gdn_fused_recompute": recompute, "gdn_longest_first": True},
-                lambda plan: (plan.longest_first.value and plan.fused_forward.value == form
-                              and plan.fused_recompute.value == (recompute or None)))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_SM90, reason="the fused recompute runs on SM90 GPUs")
-def test_gpu_fused_recompute_finds_the_segments_again():
-    """A cut backward given no segments (the custom op re-plans after overrides changed) finds
-    the segments' starts again before its recompute: the same gradients as with the forward's."""
-    from flash_dma.ops.gated_delta_rule.autograd import run_backward, run_forward
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES["g-h0-K128"]
-    torch.manual_seed(0)
-    x = make_inputs(B, T, H, HV, K, V, dtype, gate, states)
-    with overrides(gdn_fused_recompute=64, gdn_chunks_per_segment=3):
-        args = (x["q"], x["k"], x["v"], x["g"], None, x["beta"], K ** -0.5, x["initial_state"])
-        o, _, g_cum, ai, segments, layout, plan = run_forward(*args, False, None)
-        assert segments is not None and plan.fused_recompute.value == 64
-        do = torch.randn_like(o)
-        kept = run_backward(plan, layout, *args, g_cum, ai, do, None, segments)
-        found = run_backward(plan, layout, *args, g_cum, ai, do, None, None)
-    for a, b in zip(kept, found):
-        if a is not None:
-            assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+def test_gpu_fused_forward_takes_packed_sequences_longest_first(name, form, longest_first):
+    """gdn_longest_first: the fused forward maps its programs to the packed sequences longest
+    first (or as given); every output and gradient against fp64."""
+    _check_case(name, 64 if form == "ws" else form, {"gdn_fused_forward": form, "gdn_longest_first": longest_first},
+                lambda plan: plan.longest_first.value == longest_first and plan.fused_forward.value == form)
 
 
 def test_longest_first_order():
@@ -146,35 +108,9 @@ def test_longest_first_order():
     assert longest_first(cu) is order
 
 
-def test_fused_recompute_rule(monkeypatch):
-    """Off by default (measured no faster); switched on, only where the forward runs the one-role
-    kernel (its tile), T kept, on an SM90 GPU; a forced tile the call cannot take is an error
-    naming the choice."""
-    cpu = torch.device("cpu")
-    assert launch_table.fused_recompute_tile(128, 128, 4096, torch.bfloat16, False, True, cpu) is None
-    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
-    layout = chunk_layout(1, 128, None)
-    if not ON_SM90:
-        with overrides(gdn_fused_recompute=64), pytest.raises(ValueError, match="gdn_fused_recompute=64"):
-            plan_call(q, q, True, False, layout)
-    else:
-        dev = torch.device(DEVICE)
-        sm = torch.cuda.get_device_properties(dev).multi_processor_count
-        rule = launch_table.fused_recompute_tile
-        assert rule(128, 128, 4 * sm, torch.bfloat16, False, True, dev) is None
-        monkeypatch.setattr(launch_table, "FUSED_RECOMPUTE_BY_DEFAULT", True)
-        assert rule(128, 128, 4 * sm, torch.bfloat16, False, True, dev) == 128
-        assert rule(128, 128, 4 * sm, torch.bfloat16, False, False, dev) is None  # T not kept
-        assert rule(128, 128, sm, torch.bfloat16, False, True, dev) is None  # warp roles forward
-    with overrides(gdn_fused_recompute=0):
-        assert plan_call(q, q, True, False, layout).fused_recompute.value is None
-
-
 @pytest.mark.parametrize("form, K, has_g, varlen", [(64, 128, True, False), (128, 128, True, True),
                                                    (64, 64, False, True), ("ws", 128, True, False),
-                                                   ("ws", 64, False, True), ("recompute-64", 128, True, False),
-                                                   ("recompute-128", 128, True, True),
-                                                   ("recompute-64", 64, False, True)])
+                                                   ("ws", 64, False, True)])
 def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
@@ -186,12 +122,8 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     if form == "ws":
         kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
     else:
-        tile = int(str(form).split("-")[-1])
-        kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": tile // 16}
-        # the recompute form's tensors (passed in both forms here: unread by the forward's)
-        pointers.update({"do": "*bf16", "h": "*bf16", "v_new": "*bf16", "chunk_offsets": "*i32"})
-        recompute = str(form).startswith("recompute")
-        constants = {**constants, "BV": tile, "STORE_HT": not recompute, "RECOMPUTE": recompute}
+        kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": form // 16}
+        constants = {**constants, "BV": form}
     compiled = compile_for_sm90(kernel, pointers, {"T": "i32", "scale": "fp32"}, constants, options)
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"

@@ -11,7 +11,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, assert_mma_not_serialised, check_against_reference, compile_for_sm90, cu_from_lengths,
+    FUSED_CASES, ON_SM90, assert_choice_keeps_gradients, assert_mma_not_serialised, check_against_reference, compile_for_sm90,
+    cu_from_lengths,
     make_inputs, poison_allocator
 )
 
@@ -49,15 +50,8 @@ def test_gpu_sequential_backward_matches_the_passes(name):
     against fp64 would show)."""
     inputs, kwargs = _inputs(name, seed=1)
     dtype = CASES[name][8]
-    grads = {}
-    for sequential in (True, False):
-        torch.manual_seed(2)  # the same output cotangents for both
-        with overrides(gdn_sequential_backward=sequential):
-            _, grads[sequential] = check_against_reference(inputs, dtype, **kwargs)
-    for leaf, got in grads[True].items():
-        want = grads[False][leaf].double()
-        err = float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
-        assert err < 1e-2, f"d{leaf}: relative error {err:.2e} between the sequential kernel and the passes"
+    assert_choice_keeps_gradients(inputs, dtype, kwargs, "gdn_sequential_backward", 1e-2,
+                                  "the sequential kernel and the passes")
 
 
 def test_sequential_backward_rule():

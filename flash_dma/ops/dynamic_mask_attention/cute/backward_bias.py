@@ -55,48 +55,24 @@ def _bound_keywords(fn) -> dict:
     return bound
 
 
-# Where the per-key dbias sums may come from the shared dS tile (sums_from_shared): FA4's
-# backward tiles there are 128 queries x 128 keys over two consumer warpgroups, the layout
-# _dq_gemm_then_key_sums is written for (checked at trace time)
-SHARED_KEY_SUMS_HEAD_DIMS = (64,)
-
-
 @functools.lru_cache(maxsize=None)
-def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_queries: bool = False,
-                               sums_from_shared: bool = False):
+def direct_dbias_score_mod_bwd(dbias_slot: int, grouped: bool, mode: str, sum_queries: bool = False):
     """The score_mod_bwd FA4 is given beside a direct bias in the backward (never called: the
     class below replaces the method that would); marked with the dbias slot, grouping and mode,
     and whether the bias is broadcast along queries at a head dim where the scores are
     transposed (masked.SUM_QUERIES_HEAD_DIMS): then it is read per key, and dbias, if any, summed
-    over queries, from the fp32 dS fragment or (sums_from_shared) from the dS tile in shared
-    memory."""
+    over queries."""
     if mode not in DBIAS_MODES:
         raise ValueError(f"mode: expected one of {DBIAS_MODES}, got {mode!r}")
-    if sums_from_shared and not (sum_queries and mode != "none"):
-        raise ValueError("sums_from_shared: only for a dbias summed over queries")
 
     @cute.jit
     def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
         return grad
 
-    score_mod_bwd.direct_dbias = (dbias_slot, grouped, mode, sum_queries, sums_from_shared)
+    score_mod_bwd.direct_dbias = (dbias_slot, grouped, mode, sum_queries)
     score_mod_bwd.__cute_hash__ = hashlib.sha256(
-        f"{_SOURCE_DIGEST}:direct-dbias:{dbias_slot}:{grouped}:{mode}:{sum_queries}:{sums_from_shared}"
-        .encode()).hexdigest()
+        f"{_SOURCE_DIGEST}:direct-dbias:{dbias_slot}:{grouped}:{mode}:{sum_queries}".encode()).hexdigest()
     return score_mod_bwd
-
-
-@cute.jit
-def _write_dbias(dbias, grouped, mode, batch_idx, head_idx, q, k, value):
-    """One dbias entry: an fp32 atomic add where the bias is shared ("atomic"), else a store in
-    the bias's dtype."""
-    at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
-    if const_expr(mode == "atomic"):
-        fa_utils.atomic_add_fp32(value, at)
-    else:
-        cell = cute.make_rmem_tensor(1, Float32)
-        cell[0] = value
-        cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
 
 
 class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
@@ -121,11 +97,6 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
     def _sums_queries(self):
         spec = getattr(self.score_mod_bwd, "direct_dbias", None)
         return spec is not None and spec[2] != "none" and spec[3]
-
-    def _sums_from_shared(self):
-        """The per-key dbias sums come from the shared dS tile (_dq_gemm_then_key_sums)."""
-        spec = getattr(self.score_mod_bwd, "direct_dbias", None)
-        return spec is not None and spec[4]
 
     def _reads_key_bias(self):
         """The bias is read per key, before each round (a bias broadcast along queries)."""
@@ -161,16 +132,6 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             # of the (query, key) view of its score fragment
             self._key_sums = cute.make_rmem_tensor(columns, Float32)
             self._key_sums.fill(0.0)
-        if const_expr(self._sums_from_shared()):
-            # one key per thread pair: lanes l and l + 16 of a warp share key 16 * warp + l % 16,
-            # the first summing the tile's first half of queries, the second the other half
-            if const_expr(not (self.tile_m == 128 and self.tile_n == 128 and self.num_wg_dQ == 2)):
-                raise ValueError(f"sums_from_shared: written for 128 x 128 tiles over two dQ "
-                                 f"warpgroups, not {self.tile_m} x {self.tile_n} over {self.num_wg_dQ}")
-            self._shared_dS = sdS
-            self._sum_tidx = tidx
-            self._shared_sum = cute.make_rmem_tensor(1, Float32)
-            self._shared_sum.fill(0.0)
         if const_expr(self._reads_key_bias()):
             # the bias of those keys, for the round about to run
             self._key_bias = cute.make_rmem_tensor(columns, Float32)
@@ -196,8 +157,6 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
     def _prepare_round(self, m_block, consumer_state_Q, bound):
         """Before FA4's round; bound: the batch, head, key tile and lengths FA4 binds into its
         score hooks."""
-        if const_expr(self._sums_from_shared()):
-            self._sum_seqlen_q = bound["seqlen_info"].seqlen_q
         if const_expr(self._reads_key_bias()):
             # a bias broadcast along queries, read here, before the round's score and dP MMAs
             # are issued: read in the score hook (per element, or per key), its loads' address
@@ -216,30 +175,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
 
     def _wrap_dq_gemm(self, mma_dsk_fn, m_block, is_dQ_wg):
         """The round's dQ GEMM as FA4 is to call it (trace time; subclasses put work before it)."""
-        if self._sums_from_shared() and is_dQ_wg:
-            return functools.partial(self._dq_gemm_then_key_sums, mma_dsk_fn, m_block)
         return mma_dsk_fn
-
-    @cute.jit
-    def _dq_gemm_then_key_sums(self, mma_dsk_fn, m_block, A_idx, wg_wait):
-        """Issue the dQ GEMM, then add this round's dS (bf16, in shared stage A_idx, where FA4
-        published it for that GEMM; the dq and dk products use the same values) down this
-        thread's key column into its running sum: done from the fp32 fragment in the
-        score-gradient hook, that work made ptxas serialise every warpgroup MMA at head dim 64."""
-        result = mma_dsk_fn(A_idx=A_idx, wg_wait=wg_wait)
-        lane = self._sum_tidx % 32
-        key = (self._sum_tidx // 32) * 16 + lane % 16
-        parity = lane // 16  # the pair splits the rows by parity: no bank conflict between them
-        rows = self._sum_seqlen_q - m_block * self.tile_m
-        total = Float32(0.0)
-        # a loop, not unrolled whole: 64 unrolled reads had ptxas hoist their swizzled addresses
-        # into registers and spill them
-        for i in cutlass.range(self.tile_m // 2, unroll=4):
-            row = 2 * i + parity
-            value = self._shared_dS[row, key, A_idx].to(Float32)
-            total += cutlass.select_(row < rows, value, Float32(0.0))
-        self._shared_sum[0] += total
-        return result
 
     @cute.jit
     def _key_columns(self, n_block):
@@ -252,9 +188,7 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
     def epilogue_dKV(self, acc_dV, mdV, sV, acc_dK, mdK, sK, seqlen, tma_atom_dK, tma_atom_dV,
                      tiled_mma_dK, tiled_mma_dV, tidx, n_block, head_idx, batch_idx,
                      qhead_per_kvhead_divmod=None, mdK_semaphore=None, mdV_semaphore=None):
-        if const_expr(self._sums_from_shared()):
-            self._write_shared_key_sums(seqlen, n_block, head_idx, batch_idx)
-        elif const_expr(self._sums_queries()):
+        if const_expr(self._sums_queries()):
             self._write_key_sums(seqlen, n_block, head_idx, batch_idx)
         FlashAttentionBackwardSm90.epilogue_dKV(
             self, acc_dV, mdV, sV, acc_dK, mdK, sK, seqlen, tma_atom_dK, tma_atom_dV,
@@ -262,23 +196,10 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             qhead_per_kvhead_divmod, mdK_semaphore, mdV_semaphore)
 
     @cute.jit
-    def _write_shared_key_sums(self, seqlen, n_block, head_idx, batch_idx):
-        """The tile's per-key dbias from the shared-tile sums: the two lanes of a key add theirs,
-        the first writes it; the sum restarts for the next tile."""
-        dbias_slot, grouped, mode = self.score_mod_bwd.direct_dbias[:3]
-        dbias = self._aux_tensors[dbias_slot]
-        lane = self._sum_tidx % 32
-        total = self._shared_sum[0] + cute.arch.shuffle_sync_bfly(self._shared_sum[0], offset=16)
-        k = n_block * self.tile_n + (self._sum_tidx // 32) * 16 + lane % 16
-        if (lane < 16) & (k < seqlen.seqlen_k):
-            _write_dbias(dbias, grouped, mode, batch_idx, head_idx, 0, k, total)
-        self._shared_sum[0] = Float32(0.0)
-
-    @cute.jit
     def _write_key_sums(self, seqlen, n_block, head_idx, batch_idx):
         """The tile's per-key dbias: the four lanes sharing a key row add their sums, the first
         writes it; the sums restart for the next tile."""
-        dbias_slot, grouped, mode = self.score_mod_bwd.direct_dbias[:3]
+        dbias_slot, grouped, mode, _ = self.score_mod_bwd.direct_dbias
         dbias = self._aux_tensors[dbias_slot]
         coords = self._key_columns(n_block)
         first_of_quad = cute.arch.lane_idx() % 4 == 0
@@ -288,7 +209,13 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
             _, k = self._query_key(coords[0, c])
             if first_of_quad & (k < seqlen.seqlen_k):
-                _write_dbias(dbias, grouped, mode, batch_idx, head_idx, 0, k, total)
+                at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, 0, k)
+                if const_expr(mode == "atomic"):
+                    fa_utils.atomic_add_fp32(total, at)
+                else:
+                    cell = cute.make_rmem_tensor(1, Float32)
+                    cell[0] = total
+                    cute.make_tensor(at, cute.make_layout(1)).store(cell.load().to(dbias.element_type))
             self._key_sums[c] = Float32(0.0)
 
     @cute.jit
@@ -331,10 +258,8 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block,
                 n_block, softmax_scale, seqlen_info, aux_data, fastdiv_mods)
         else:
-            dbias_slot, grouped, mode, sum_queries, sums_from_shared = self.score_mod_bwd.direct_dbias
-            if const_expr(mode != "none" and sum_queries and sums_from_shared):
-                pass  # summed from the shared dS tile after the round's dQ GEMM is issued
-            elif const_expr(mode != "none" and sum_queries):
+            dbias_slot, grouped, mode, sum_queries = self.score_mod_bwd.direct_dbias
+            if const_expr(mode != "none" and sum_queries):
                 # the share of this round in the per-key sums (queries inside the problem only)
                 grads = layout_utils.reshape_acc_to_mn(grad_tensor, transpose=self.SdP_swapAB)
                 coords = layout_utils.reshape_acc_to_mn(
@@ -351,8 +276,6 @@ class DirectBiasBackwardSm90(FlashAttentionBackwardSm90):
                 for i in cutlass.range_constexpr(cute.size(grad_tensor.shape)):
                     q, k = self._query_key(coords[i])
                     if (q >= 0) & (k >= 0) & (q < seqlen_info.seqlen_q) & (k < seqlen_info.seqlen_k):
-                        # (not through _write_dbias: that moves the pointer arithmetic into the
-                        # atomic's branch and changes this GPU-tested kernel's code)
                         at = hooks.pair_pointer(dbias, grouped, batch_idx, head_idx, q, k)
                         g = grad_tensor[i]
                         if const_expr(mode == "atomic"):

@@ -80,11 +80,6 @@ declare_choice("attention_cute_bias_tma_backward", True, (False, True),
                "the CuTe backward loads each round's bias tile by TMA into FA4's shared dS stage "
                "it is about to write (cute/backward_bias_tma.py; a bias in q's dtype with full "
                "query and key dims, keys a multiple of 8)")
-declare_choice("attention_cute_key_sums_from_shared", False, (False, True),
-               "the CuTe backward sums a per-key bias's dbias over queries from the dS tile FA4 "
-               "has written to shared memory, after issuing the round's dQ GEMM, instead of from "
-               "the fp32 dS fragment in the score-gradient hook (where ptxas serialises every "
-               "warpgroup MMA at head dim 64); head dim 64 only; off until measured on a GPU")
 declare_choice("attention_cute_bias_pairs", True, (False, True),
                "the direct-bias forward reads two neighbouring keys per load (where the bias's "
                "layout keeps every pair aligned, checked in the kernel)")
@@ -119,7 +114,6 @@ class BiasPath:
     tma_evict_first: bool = False
     dbias_tma: bool = False
     bias_tma_backward: bool = False
-    key_sums_from_shared: bool = False
 
 
 def bias_path(head_dim: int, causal: bool, tma_layout: bool, tma_loadable: bool | None = None) -> BiasPath:
@@ -140,8 +134,7 @@ def bias_path(head_dim: int, causal: bool, tma_layout: bool, tma_loadable: bool 
                     direct_backward=choice("attention_cute_direct_bias_backward").value,
                     tma_evict_first=choice("attention_cute_bias_tma_evict_first").value,
                     dbias_tma=choice("attention_cute_dbias_tma").value,
-                    bias_tma_backward=choice("attention_cute_bias_tma_backward").value,
-                    key_sums_from_shared=choice("attention_cute_key_sums_from_shared").value)
+                    bias_tma_backward=choice("attention_cute_bias_tma_backward").value)
 
 
 def feature_gap(*, has_mask: bool, has_bias: bool, head_dim: int, dtype: torch.dtype,
@@ -444,11 +437,9 @@ def backward(dout, q, k, v, out, lse, mask, bias, *, causal: bool, softmax_scale
                                                        CUTLASS_TYPE_NAMES[bias.dtype])
         # a bias broadcast along queries is read per key (and its dbias summed per key) where the
         # backward computes the scores transposed; backward_gap keeps dbias to those head dims
-        summed = sums_queries(bias, seqlen_q) and q.shape[-1] in SUM_QUERIES_HEAD_DIMS
         score_mod_bwd = backward_bias.direct_dbias_score_mod_bwd(
-            DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none", summed,
-            summed and dbias_mode is not None and path.key_sums_from_shared
-            and q.shape[-1] in backward_bias.SHARED_KEY_SUMS_HEAD_DIMS)
+            DBIAS_SLOT, grouped.get(DBIAS_SLOT, False), dbias_mode or "none",
+            sums_queries(bias, seqlen_q) and q.shape[-1] in SUM_QUERIES_HEAD_DIMS)
         kernel = backward_bias.direct_bias_backward_kernel()
         tma_bias = tma_dbias = None
         # at other head dims the per-element forms are the path, not a fallback

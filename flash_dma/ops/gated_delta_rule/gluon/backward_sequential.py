@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.launch import launch
-from .backward_chunk import _chunk_backward, _copy_rows, _copy_state, _landed, _publish
+from .backward_chunk import _chunk_backward, chunk_gradients, _copy_rows, _copy_state, _landed, _publish
 from .common import CHUNK, LOG2E, exp2_ftz, last_gate, sequence_of_program
 
 
@@ -202,13 +202,7 @@ def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0
     each group). h, v_new: the backward's state pass; dht: the final state's gradient or None."""
     B, T, HQ, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    direct = HQ == HV
-    grad_dtype = q.dtype if direct else torch.float32
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
-    dk = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
-    dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32) if g_cum is not None else None
+    dq, dk, dv, dbeta, dg = chunk_gradients(q, v, g_cum is not None)
     programs = layout.num_seqs * HV
     scratch = torch.empty(programs, K, V, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(layout.num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None

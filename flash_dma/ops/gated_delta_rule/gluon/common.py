@@ -44,6 +44,7 @@ def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid,
     """cp.async of one chunk's q, k (q/k head `head`), v (value head hv, columns v_start..+BV) and
     T tiles into ring slots by the NW issuing warps; rows from n_valid on are zero-filled."""
     key_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [NW, 1], [1, 0])
+    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
     square_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, key_load))
     kcols = gl.arange(0, K, layout=gl.SliceLayout(0, key_load))
@@ -51,25 +52,16 @@ def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid,
     key_offs = ((tok0 + rows)[:, None] * HQ + head) * K + kcols[None, :]
     async_copy.async_copy_global_to_shared(q_slot, q + key_offs, key_mask)
     async_copy.async_copy_global_to_shared(k_slot, k + key_offs, key_mask)
-    copy_value_tile(v, v_slot, tok0, n_valid, hv, v_start, HV, V, BV, NW)
+    vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
+    vcols = v_start + gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
+    value_mask = (vrows < n_valid)[:, None] & (vcols < V)[None, :]
+    async_copy.async_copy_global_to_shared(v_slot, v + ((tok0 + vrows)[:, None] * HV + hv) * V + vcols[None, :],
+                                           value_mask)
     trows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, square_load))
     tcols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, square_load))
     t_mask = (trows < n_valid)[:, None] & (tcols < CHUNK)[None, :]
     async_copy.async_copy_global_to_shared(t_slot, ai + ((tok0 + trows)[:, None] * HV + hv) * CHUNK + tcols[None, :],
                                            t_mask)
-
-
-@gluon.jit
-def copy_value_tile(base, slot, tok0, n_valid, hv, v_start, HV: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                    NW: gl.constexpr):
-    """cp.async of a chunk's [64, BV] tile of a [tokens, HV, V] tensor (value head hv, columns
-    v_start..+BV) into a ring slot by NW warps; rows from n_valid on are zero-filled."""
-    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
-    vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
-    vcols = v_start + gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
-    value_mask = (vrows < n_valid)[:, None] & (vcols < V)[None, :]
-    async_copy.async_copy_global_to_shared(slot, base + ((tok0 + vrows)[:, None] * HV + hv) * V + vcols[None, :],
-                                           value_mask)
 
 
 @gluon.jit
@@ -115,17 +107,6 @@ def store_output(o, out, tok0, n_valid, hv, HV: gl.constexpr, V: gl.constexpr, v
     o_t = gl.convert_layout(out.to(o.dtype.element_ty), out_layout)
     o_offs = ((tok0 + oc) * HV + hv)[None, :] * V + ov[:, None]
     gl.store(o + o_offs, o_t, mask=(oc < n_valid)[None, :] & (ov < V)[:, None])
-
-
-@gluon.jit
-def store_state(base, state, index, v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.constexpr, NW: gl.constexpr):
-    """h^T [BV, K] (fp32) stored, in base's dtype, as columns v_start..+BV of the [K, V] state at
-    `index` (int64) of a [.., K, V] tensor; each thread a run of 8 V columns (coalesced)."""
-    layout: gl.constexpr = gl.BlockedLayout([8, 1], [BV // 8, 32 // (BV // 8)], [1, NW], [0, 1])
-    sv = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, layout))
-    sk = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-    value = gl.convert_layout(state.to(base.dtype.element_ty), layout)
-    gl.store(base + index * K * V + sk[None, :] * V + sv[:, None], value, mask=(sv < V)[:, None] & (sk < K)[None, :])
 
 
 @gluon.jit

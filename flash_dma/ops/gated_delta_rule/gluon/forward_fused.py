@@ -17,12 +17,6 @@ the chain of dependent products.
     h^T    = e^(B_last) h^T + (vn^T diag(e^(B_last - B))) k   (chain)
 
 Scalar gate or none; K 64 or 128, V a multiple of BV; 16-bit inputs (T in the input type).
-
-With gdn_fused_recompute (off by default: measured no faster) the backward runs the same kernel
-again in its recompute form (RECOMPUTE): it writes what the backward's passes read, the states
-h[c] at each chunk start (in the input type) and v_new, and in place of the output the
-intra-chunk part of dv, dv_local^T = do^T P (P^T staged as for the output, read transposed): one
-kernel where the Triton path runs its state pass and its local_dv pass.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,74 +28,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, allocate_ring, copy_chunk_tiles, copy_value_tile, exp2_ftz, gate_rows, last_gate, output_buffers,
-    sequence_of_program, start_state, state_offsets, store_output, store_state
+    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
+    start_state, state_offsets, store_output
 )
 
 
 @gluon.jit
-def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, do, q_ring, k_ring, v_ring, t_ring,
-                 do_ring, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                 STAGES: gl.constexpr, NW: gl.constexpr, RECOMPUTE: gl.constexpr):
+def _issue_loads(it, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, q_ring, k_ring, v_ring, t_ring,
+                 HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                 STAGES: gl.constexpr, NW: gl.constexpr):
     """Chunk `it`'s tiles into ring slot it % STAGES as one cp.async group (a chunk past the last
-    loads nothing but zeros); the recompute form also loads do."""
+    loads nothing but zeros)."""
     n_valid = gl.maximum(gl.minimum(seq_len - it * CHUNK, CHUNK), 0)
     tok0 = bos + gl.minimum(it, gl.maximum(num_chunks - 1, 0)).to(gl.int64) * CHUNK
     slot = it % STAGES
     copy_chunk_tiles(q, k, v, ai, q_ring.index(slot), k_ring.index(slot), v_ring.index(slot), t_ring.index(slot),
                      tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, NW)
-    if RECOMPUTE:
-        copy_value_tile(do, do_ring.index(slot), tok0, n_valid, hv, v_start, HV, V, BV, NW)
     async_copy.commit_group()
 
 
-@gluon.jit
-def _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk: gl.constexpr, chunk_acc: gl.constexpr):
-    """Once kh^T has landed: x^T = (v^T - kh^T e^B) beta, and vn^T = x^T T^T issued, from the
-    ring slot's v and T. -> (e^B, vn^T in flight). The two products issued before it (kh^T
-    first) complete in issue order."""
-    eb = exp2_ftz(b)
-    v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
-    kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
-    x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
-    vn = warpgroup_mma(gl.convert_layout(x.to(v_ring.dtype), a_for_chunk), t_ring.index(slot).permute((1, 0)),
-                       gl.zeros(kh.shape, gl.float32, chunk_acc), use_acc=False, is_async=True)
-    return eb, vn
-
-
-@gluon.jit
-def _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state: gl.constexpr):
-    """h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k issued (rows past the sequence decay to 0)."""
-    decay = gl.where(cols < n_valid, exp2_ftz(b_last - b), 0.0)
-    return warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(k_tile.dtype), a_for_state), k_tile,
-                         state * gl.exp2(b_last), is_async=True)
-
-
-@gluon.jit
-def _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc: gl.constexpr):
-    """P^T = scale (k q^T . e^(B_i - B_j)) on j <= i into shared memory, visible to the next
-    warpgroup MMA once every warp has written its part."""
-    b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
-    b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
-    p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :], pt * exp2_ftz(b_i[None, :] - b_j[:, None]),
-                           0.0).to(p_stage.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
 @gluon.jit(do_not_specialize=["T"])
-def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, do, h, v_new, chunk_offsets, T, scale,
+def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
                          HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                          BV: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr,
-                         HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr,
-                         RECOMPUTE: gl.constexpr = False):
+                         HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
     """One program per (V tile of BV, sequence x value head); BV // 16 warps (BV 64: one
-    warpgroup, 128: two, which split V and share the chunk's q, k and T tiles).
-    RECOMPUTE: o receives dv_local (from do), h the per-chunk states (state index: the
-    sequence's first chunk from chunk_offsets under varlen, else sequence x chunks per
-    sequence), v_new v_new; nothing else changes; without it do, h, v_new and chunk_offsets are
-    None. order: see common.sequence_of_program. (Every tensor argument comes before the
-    constexprs, so that runtime.launch can replay the launch.)"""
+    warpgroup, 128: two, which split V and share the chunk's q, k and T tiles). order: see
+    common.sequence_of_program (a tensor argument before the constexprs, so that runtime.launch
+    can replay the launch)."""
     NW: gl.constexpr = BV // 16
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     head = hv // (HV // HQ)
@@ -121,15 +75,6 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
     square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
     q_ring, k_ring, v_ring, t_ring = allocate_ring(dt, K, BV, STAGES)
     p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem)  # P^T [j, i]
-    if RECOMPUTE:
-        do_ring = gl.allocate_shared_memory(dt, [STAGES, CHUNK, BV], v_ring.type.layout)
-        if IS_VARLEN:
-            chunk0 = gl.load(chunk_offsets + seq_hv // HV).to(gl.int64)
-        else:
-            chunk0 = (seq_hv // HV).to(gl.int64) * gl.cdiv(T, CHUNK)
-    else:
-        do_ring = v_ring  # (not read)
-        chunk0 = 0
 
     state = start_state(h0, seq_hv, v_start, V, BV, K, state_acc, HAS_H0)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))  # the chunk's tokens, as columns
@@ -138,13 +83,13 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
     log2_scale = gl.log2(scale)
 
     for i in gl.static_range(STAGES - 1):
-        _issue_loads(i, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, do, q_ring, k_ring, v_ring, t_ring,
-                     do_ring, HQ, HV, K, V, BV, STAGES, NW, RECOMPUTE)
+        _issue_loads(i, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, q_ring, k_ring, v_ring, t_ring,
+                     HQ, HV, K, V, BV, STAGES, NW)
     for c in range(0, num_chunks):
         # every warp is past chunk c - 1's reads of the slot the next loads overwrite
         gl.thread_barrier()
-        _issue_loads(c + STAGES - 1, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai, do,
-                     q_ring, k_ring, v_ring, t_ring, do_ring, HQ, HV, K, V, BV, STAGES, NW, RECOMPUTE)
+        _issue_loads(c + STAGES - 1, num_chunks, bos, seq_len, head, hv, v_start, q, k, v, ai,
+                     q_ring, k_ring, v_ring, t_ring, HQ, HV, K, V, BV, STAGES, NW)
         tok0 = bos + c.to(gl.int64) * CHUNK
         n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
         b, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, cols, HAS_G)
@@ -155,71 +100,42 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
         k_tile = k_ring.index(slot)
         q_tile = q_ring.index(slot)
 
-        if RECOMPUTE:
-            # the same chain; P^T beside it is applied to do (dv_local^T = do^T P) in place of the
-            # output's q h^T and vn^T P^T; h[c] and v_new are stored as they form
-            h_a = gl.convert_layout(state.to(dt), a_for_chunk)
-            kh = warpgroup_mma(h_a, k_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                               use_acc=False, is_async=True)
-            pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
-                               use_acc=False, is_async=True)
-            store_state(h, state, (chunk0 + c) * HV + hv, v_start, V, BV, K, NW)
-            eb, vn = _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk, chunk_acc)
-            pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-            _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc)
-            do_t = do_ring.index(slot).permute((1, 0)).load(a_for_chunk)  # do^T [BV, 64]
-            dvl = warpgroup_mma(do_t, p_stage.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                                use_acc=False, is_async=True)
-            vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
-            store_output(v_new, vn, tok0, n_valid, hv, HV, V, v_start, BV, NW)
-            state = _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state)
-            dvl, state = warpgroup_mma_wait(num_outstanding=0, deps=(dvl, state))
-            store_output(o, dvl, tok0, n_valid, hv, HV, V, v_start, BV, NW)
-        else:
-            # MMA groups complete in issue order: each wait below leaves only the last one running
-            h_a = gl.convert_layout(state.to(dt), a_for_chunk)
-            kh = warpgroup_mma(h_a, k_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                               use_acc=False, is_async=True)
-            qh = warpgroup_mma(h_a, q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                               use_acc=False, is_async=True)
-            eb, vn = _issue_v_new(kh, v_ring, t_ring, slot, b, b_beta, a_for_chunk, chunk_acc)
-            qh = warpgroup_mma_wait(num_outstanding=1, deps=(qh, ))
-            pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
-                               use_acc=False, is_async=True)
-            out = qh * (eb * scale)[None, :]
-            vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
-            state = _issue_state_update(state, vn, k_tile, b, b_last, cols, n_valid, a_for_state)
-            # P^T off the chain, while the state product runs
-            pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-            _stage_p(pt, b, p_stage, p_rows, p_cols, log2_scale, pair_acc)
-            out = warpgroup_mma(gl.convert_layout(vn.to(dt), a_for_chunk), p_stage, out, is_async=True)
-            out, state = warpgroup_mma_wait(num_outstanding=0, deps=(out, state))
-            store_output(o, out, tok0, n_valid, hv, HV, V, v_start, BV, NW)
+        # MMA groups complete in issue order: each wait below leaves only the last one running
+        h_a = gl.convert_layout(state.to(dt), a_for_chunk)
+        kh = warpgroup_mma(h_a, k_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
+                           use_acc=False, is_async=True)
+        qh = warpgroup_mma(h_a, q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
+                           use_acc=False, is_async=True)
+        eb = exp2_ftz(b)
+        v_t = v_ring.index(slot).permute((1, 0)).load(chunk_acc)  # v^T [BV, 64]
+        kh = warpgroup_mma_wait(num_outstanding=1, deps=(kh, ))
+        x = v_t.to(gl.float32) * b_beta[None, :] - kh * (eb * b_beta)[None, :]
+        vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
+                           gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        qh = warpgroup_mma_wait(num_outstanding=1, deps=(qh, ))
+        pt = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                           use_acc=False, is_async=True)
+        out = qh * (eb * scale)[None, :]
+        vn = warpgroup_mma_wait(num_outstanding=1, deps=(vn, ))
+        decay = gl.where(cols < n_valid, exp2_ftz(b_last - b), 0.0)
+        state = warpgroup_mma(gl.convert_layout((vn * decay[None, :]).to(dt), a_for_state), k_tile,
+                              state * gl.exp2(b_last), is_async=True)
+        # P^T off the chain, while the state product runs
+        pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+        b_j = gl.convert_layout(b, gl.SliceLayout(1, pair_acc))
+        b_i = gl.convert_layout(b, gl.SliceLayout(0, pair_acc)) + log2_scale
+        p_stage.store(gl.where(p_rows[:, None] <= p_cols[None, :], pt * exp2_ftz(b_i[None, :] - b_j[:, None]),
+                               0.0).to(dt))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of P^T is in shared memory
+        out = warpgroup_mma(gl.convert_layout(vn.to(dt), a_for_chunk), p_stage, out, is_async=True)
+        out, state = warpgroup_mma_wait(num_outstanding=0, deps=(out, state))
+        store_output(o, out, tok0, n_valid, hv, HV, V, v_start, BV, NW)
     async_copy.wait_group(0)
     if STORE_HT:
         # offsets formed again here: kept from the start they would hold registers through the loop
         s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
         gl.store(ht + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
-
-
-def recompute_fused(layout, q, k, v, beta, ai, g_cum, h0, do, scale: float, block_v: int, stages: int = 2,
-                    cu_seqlens=None, num_seqs=None, chunk_offsets=None, order=None):
-    """The backward's recompute in the fused kernel: -> (h [num_chunk_states, HV, K, V] in k's
-    dtype, v_new and dv_local [B, T, HV, V] in v's dtype). h0: the initial state or, with
-    cu_seqlens / num_seqs / chunk_offsets, the starts of the segments of a sequence split."""
-    import torch
-    T, HQ, K = q.shape[1:]
-    HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is None and layout.is_varlen:
-        cu_seqlens, chunk_offsets = layout.cu_seqlens, layout.chunk_offsets
-    num_seqs = layout.num_seqs if num_seqs is None else num_seqs
-    h = torch.empty(layout.num_chunk_states, HV, K, V, device=q.device, dtype=k.dtype)
-    v_new, dv_local = torch.empty_like(v), torch.empty_like(v)
-    launch(gdn_fwd_fused_kernel, (ceil_div(V, block_v), num_seqs * HV),
-           q, k, v, beta, ai, g_cum, h0, dv_local, None, cu_seqlens, order, do, h, v_new, chunk_offsets, T, scale,
-           HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=False, IS_VARLEN=cu_seqlens is not None, RECOMPUTE=True, num_warps=block_v // 16)
-    return h, v_new, dv_local
 
 
 def forward_fused(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, block_v: int,
@@ -233,7 +149,7 @@ def forward_fused(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale
     HV, V = v.shape[2], v.shape[3]
     o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
     launch(gdn_fwd_fused_kernel, (ceil_div(V, block_v), num_seqs * HV),
-           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, None, None, None, None, T, scale,
+           q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
            STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=block_v // 16)
     return o, ht

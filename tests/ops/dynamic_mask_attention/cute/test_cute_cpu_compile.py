@@ -97,9 +97,6 @@ MMA_VARIANTS = [
     # per-element dbias store where TMA cannot take the bias (keys not a multiple of 8)
     pytest.param(["--dims", "64", "--pairs", "bias-keys-dbias"], id="key-bias-dbias-bf16-D64",
                  marks=pytest.mark.xfail(strict=True, reason=SERIALISED)),
-    # ... not when those sums come from the shared dS tile (attention_cute_key_sums_from_shared)
-    pytest.param(["--dims", "64", "--pairs", "bias-keys-dbias", "--choices",
-                  "attention_cute_key_sums_from_shared=True"], id="key-bias-dbias-from-shared-bf16-D64"),
     pytest.param(["--dims", "128", "--pairs", "bias-shared"], id="shared-bias-atomic-bf16-D128",
                  marks=pytest.mark.xfail(strict=True, reason=SERIALISED)),
     pytest.param(["--dims", "128", "--pairs", "bias"], id="bias-per-element-bf16-D128",

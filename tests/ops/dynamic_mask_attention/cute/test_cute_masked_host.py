@@ -79,19 +79,3 @@ def test_backward_gaps():
     assert "atomics" in masked.backward_gap(mask=None, bias=torch.empty(1, H, SQ, SK), **det)
     assert "mask" in masked.backward_gap(mask=torch.empty(B, H, SQ, SK, dtype=torch.bool), bias=None,
                                          **{**det, "want_dbias": False})
-
-
-def test_key_sums_from_shared_travels_in_the_bias_path():
-    """A declared choice, off by default, carried by the plan's BiasPath into the backward's
-    dbias spec (which refuses it where no dbias is summed over queries)."""
-    assert masked.bias_path(64, False, False).key_sums_from_shared is False
-    with config.overrides(attention_cute_key_sums_from_shared=True):
-        assert masked.bias_path(64, False, False).key_sums_from_shared is True
-    pytest.importorskip("cutlass")
-    from flash_dma.ops.dynamic_mask_attention.cute import backward_bias
-    spec = backward_bias.direct_dbias_score_mod_bwd(2, False, "store", True, True).direct_dbias
-    assert spec[3:] == (True, True)
-    with pytest.raises(ValueError, match="sums_from_shared"):
-        backward_bias.direct_dbias_score_mod_bwd(2, False, "store", False, True)
-    with pytest.raises(ValueError, match="sums_from_shared"):
-        backward_bias.direct_dbias_score_mod_bwd(2, False, "none", True, True)
