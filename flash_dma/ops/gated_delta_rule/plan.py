@@ -318,7 +318,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
-                         sequential_backward=_sequential_backward(K, V, dtype, has_gk, keep, segments.value, device),
+                         sequential_backward=_sequential_backward(K, V, dtype, has_gk, keep, dhu_segments.value, device),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
@@ -343,7 +343,8 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
 def _sequential_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool, cut,
                          device) -> Chosen:
     """Whether the backward runs as the one sequential kernel: launch_table's rule, or the
-    override; forced where it cannot run, an error, not a silent fallback."""
+    override; forced where it cannot run, an error, not a silent fallback. `cut`: the backward's
+    split (the forward's may cut: the states it needs come from the state pass either way)."""
     chosen = choice("gdn_sequential_backward")
     fits = (launch_table.sequential_backward_fits(K, V, dtype, has_gk, device) and keeps_inverse
             and cut is None)
@@ -353,7 +354,7 @@ def _sequential_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, keeps
         raise ValueError(
             f"gdn_sequential_backward={chosen.value!r}: the sequential backward needs an SM90 GPU, no gk, K = V "
             f"(64 or 128), 16-bit inputs, T kept and no sequence split; got device {device}, gk {has_gk}, K {K}, "
-            f"V {V}, dtype {dtype}, T kept {keeps_inverse}, chunks per segment {cut}")
+            f"V {V}, dtype {dtype}, T kept {keeps_inverse}, backward chunks per segment {cut}")
     return chosen
 
 
