@@ -1,9 +1,9 @@
 """Backward variants of the gated delta rule side by side at the issue's shapes (same run, same
 inputs): the fused Hopper chunk backward (gluon/backward_chunk.py, replacing the Triton bwd_dqkw
 and bwd_wy passes) against those passes, and bwd_dhu forming the intra-chunk dv itself
-(gdn_dhu_local_dv), and the
-sequential backward (gdn_sequential_backward=1: local_dv, bwd_dhu and the chunk passes in one
-kernel). Per variant: do_bench medians of the public op's backward and forward +
+(gdn_dhu_local_dv). Forms measured with it and removed: the one-role fused recompute
+(gdn_fused_recompute, commit 2ff8691) and the one-role sequential backward
+(gdn_sequential_backward, commit a70b60b). Per variant: do_bench medians of the public op's backward and forward +
 backward, the kernel time of the passes that differ from one profiled step, and the gradients'
 error against the first variant. The backward column is the one to read: forward + backward
 builds a plan on every call while overrides are active (host time).
@@ -31,7 +31,7 @@ from flash_dma.runtime.config import overrides  # noqa: E402
 
 SHAPES = ((4, 4096, 16), (1, 8192, 16), (1, 32768, 16), (8, 4096, 32))
 REPLACED = ("gdn_bwd_dqkw_kernel", "gdn_bwd_wy_kernel", "gdn_bwd_chunk_kernel", "gdn_bwd_dhu_kernel",
-            "gdn_intra_kernel", "gdn_recompute_wu_kernel", "gdn_fwd_h_kernel", "gdn_bwd_sequential_kernel")
+            "gdn_intra_kernel", "gdn_recompute_wu_kernel", "gdn_fwd_h_kernel")
 VARIANTS = ("triton:gdn_fused_backward=0,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
             "fused:gdn_fused_backward=1,gdn_dhu_local_dv=0,gdn_dhu_w_from_t=0;"
             "fused+dv:gdn_fused_backward=1,gdn_dhu_local_dv=1,gdn_dhu_w_from_t=0;"

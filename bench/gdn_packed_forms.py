@@ -6,8 +6,8 @@ against the first variant's.
 
     python bench/gdn_packed_forms.py [--cases "varlen N20 B1 T32768 H16"] [--variants ...] [--out DIR]
 
-VARIANTS: name:choice=value,...;name:... over gdn_fused_forward (64, 128, ws),
-gdn_longest_first (0, 1) and gdn_sequential_backward (0, 1); "default:" takes the plan's rules. Writes DIR/gdn-packed-forms-<device>-<date>.txt.
+VARIANTS: name:choice=value,...;name:... over gdn_fused_forward (64, 128, ws) and
+gdn_longest_first (0, 1); "default:" takes the plan's rules. Writes DIR/gdn-packed-forms-<device>-<date>.txt.
 """
 import argparse
 import datetime

@@ -6,8 +6,7 @@ the states and the output are one fused kernel (gluon/) that writes neither the 
 states nor v_new. The backward keeps what FLA keeps
 (the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
 recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
-chunk-parallel gradient passes (with gdn_sequential_backward, off by default, those in one
-sequential SM90 kernel). Which way each step goes is the call's plan (plan.py); the
+chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
 kernels are the plan's backend's (one module per pass).
 """
 from __future__ import annotations
@@ -114,14 +113,6 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
-    if ai is not None and gk is None and plan.sequential_backward_on():
-        from .gluon.backward_sequential import bwd_sequential
-        # the states and v_new from T (no w, u), then one kernel for the rest
-        h, v_new, _, _ = ops.state_pass.states(plan, layout, k, v, beta, ai, None, None, g_cum, None, initial_state,
-                                               store_final=False, known=segments)
-        dq, dk, dv, dbeta, dg, dh0 = bwd_sequential(layout, q, k, v, v_new, h, do.to(q.dtype), ai, g_cum, beta, dht,
-                                                    initial_state is not None, scale, plan.sequence_order(layout))
-        return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
@@ -266,8 +257,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
                plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value, plan.fused_forward.value,
-               plan.longest_first.value, plan.fused_backward.value,
-               plan.sequential_backward.value)
+               plan.longest_first.value, plan.fused_backward.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
            layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)

@@ -239,18 +239,6 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
             and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))
 
 
-# The backward's local_dv, bwd_dhu and chunk passes as one sequential kernel per (sequence, value
-# head) (gluon/backward_sequential.py): compiled for sm_90a on the CPU, not yet run on a GPU, so
-# off by default.
-SEQUENTIAL_BACKWARD_BY_DEFAULT = False
-
-
-def sequential_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
-    """Whether the sequential backward computes such a call: what the fused chunk backward takes,
-    with K = V (its update reuses a [64, K] tile for a [64, V] one)."""
-    return fused_backward_fits(K, V, dtype, has_gk, device) and K == V
-
-
 # bwd_dhu taking on another pass's work, from bench/gdn_fused_backward.py (K = V = 128, backward
 # ms with the fused chunk backward, own passes / bwd_dhu forming the intra-chunk dv itself / also
 # applying w through T): H100 B8 T4096 H32 3.355 / 3.312, B4 T4096 H16 0.918 / 0.910, B1 T32768

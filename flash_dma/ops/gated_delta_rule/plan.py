@@ -17,9 +17,6 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_longest_first          packed sequences (varlen) run by the fused kernels longest first
                              (programs start in grid order: the longest chains first, the short
                              ones fill the tail) rather than in the order given;
-  gdn_sequential_backward    the backward's local_dv, bwd_dhu and chunk passes as one sequential
-                             SM90 kernel per (sequence, value head) (gluon/backward_sequential.py;
-                             not measured yet, off by default);
   gdn_fused_backward         the backward's chunk-parallel passes (dq, dk, dw, then back through
                              the WY form) as one SM90 kernel (gluon/backward_chunk.py) instead of
                              the Triton bwd_dqkw and bwd_wy passes;
@@ -65,9 +62,6 @@ declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
 declare_choice("gdn_longest_first", None, (True, False),
                "packed sequences run by the fused kernels longest first (default: launch_table's rule)")
-declare_choice("gdn_sequential_backward", None, (True, False),
-               "the backward's local_dv, bwd_dhu and chunk passes as one sequential Hopper kernel "
-               "(default: launch_table's rule)")
 declare_choice("gdn_fused_backward", None, (True, False),
                "the backward's dqkw and WY passes as one Hopper kernel (default: launch_table's rule)")
 declare_choice("gdn_dhu_local_dv", None, (True, False),
@@ -101,7 +95,6 @@ class DeltaRulePlan:
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
-    sequential_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_sequential.py
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
@@ -123,14 +116,6 @@ class DeltaRulePlan:
         log_choice(OP, "sequence_order", "gluon", self.info, self.shape, "longest_first" if on else "as_given",
                    self.longest_first.source)
         return longest_first(layout.cu_seqlens) if on else None
-
-    def sequential_backward_on(self) -> bool:
-        """Whether the backward's local_dv, bwd_dhu and chunk passes run as the one sequential
-        Gluon kernel; logged like a launch."""
-        on = bool(self.sequential_backward.value)
-        log_choice(OP, "sequential_backward", "gluon" if on else self.backend, self.info, self.shape,
-                   "one_kernel warps=8" if on else "off", self.sequential_backward.source)
-        return on
 
     def fused_backward_on(self) -> bool:
         """Whether the backward's dqkw and WY passes run as the one Gluon kernel; logged like a
@@ -318,7 +303,6 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
-                         sequential_backward=_sequential_backward(K, V, dtype, has_gk, keep, dhu_segments.value, device),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
 
@@ -337,24 +321,6 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
         raise ValueError(
             f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "
             f"multiple of {tile} and 16-bit inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
-    return chosen
-
-
-def _sequential_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, keeps_inverse: bool, cut,
-                         device) -> Chosen:
-    """Whether the backward runs as the one sequential kernel: launch_table's rule, or the
-    override; forced where it cannot run, an error, not a silent fallback. `cut`: the backward's
-    split (the forward's may cut: the states it needs come from the state pass either way)."""
-    chosen = choice("gdn_sequential_backward")
-    fits = (launch_table.sequential_backward_fits(K, V, dtype, has_gk, device) and keeps_inverse
-            and cut is None)
-    if chosen.value is None:
-        return Chosen(fits and launch_table.SEQUENTIAL_BACKWARD_BY_DEFAULT, "rule")
-    if chosen.value and not fits:
-        raise ValueError(
-            f"gdn_sequential_backward={chosen.value!r}: the sequential backward needs an SM90 GPU, no gk, K = V "
-            f"(64 or 128), 16-bit inputs, T kept and no sequence split; got device {device}, gk {has_gk}, K {K}, "
-            f"V {V}, dtype {dtype}, T kept {keeps_inverse}, backward chunks per segment {cut}")
     return chosen
 
 
@@ -440,7 +406,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
              f"T kept for the backward: {plan.keep_inverse}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
                  "dhu_chunks_per_segment", "fused_forward", "longest_first",
-                 "sequential_backward", "fused_backward", "dhu_local_dv",
+                 "fused_backward", "dhu_local_dv",
                  "dhu_w_from_t"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
