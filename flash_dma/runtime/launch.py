@@ -47,15 +47,18 @@ class _Unkeyable(Exception):
     """An argument whose effect on Triton's choice we do not model: use Triton's path."""
 
 
+_TENSOR = torch.Tensor
+
+
 def _arg_key(a):
+    """The key of an argument that is not a plain tensor, int or None (signature_key's loop
+    handles those inline: this runs per argument of every launch)."""
     kind = type(a)
-    if kind is int or kind is bool:
-        return a
+    if kind is bool:
+        return bool, a  # Triton types a bool i1 and an int i32 or i64: True must not be 1
     if kind is float:
         return float
-    if a is None:
-        return None
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, _TENSOR):  # subclasses (nn.Parameter)
         return a.dtype, a.data_ptr() % 16 == 0
     if kind is TensorDescriptor:
         return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape), tuple(a.shape),
@@ -65,15 +68,33 @@ def _arg_key(a):
 
 def signature_key(kernel, args: tuple, kwargs: dict, device: int):
     """What Triton's choice of compiled variant depends on, for this call (see module doc)."""
-    return (id(kernel), device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+    parts = []
+    append = parts.append
+    for a in args:
+        kind = type(a)
+        if kind is _TENSOR:
+            append((a.dtype, a.data_ptr() % 16 == 0))
+        elif kind is int or a is None:
+            append(a)
+        else:
+            append(_arg_key(a))
+    return id(kernel), device, tuple(parts), tuple(kwargs.items())
 
 
 class _Entry:
-    __slots__ = ("compiled", "tail")
+    __slots__ = ("compiled", "tail", "direct", "cooperative", "pdl")
 
     def __init__(self, compiled, tail: tuple):
         self.compiled = compiled
         self.tail = tail  # the constexpr values after the positional arguments, in order
+        # Triton's launcher object wraps the C launch in Python that only allocates scratch
+        # memory: where the kernel needs none, the C launch is called directly.
+        launcher = compiled.run
+        plain = (getattr(launcher, "global_scratch_size", 1) == 0
+                 and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch"))
+        self.direct = launcher.launch if plain else None
+        self.cooperative = getattr(launcher, "launch_cooperative_grid", None)
+        self.pdl = getattr(launcher, "launch_pdl", None)
 
 
 _ENTRIES: OrderedDict = OrderedDict()
@@ -177,11 +198,17 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled = entry.compiled
     stream = driver.get_current_stream(device)
     hooks = triton.knobs.runtime
+    enter = hooks.launch_enter_hook
     full = args + entry.tail
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *full), hooks.launch_enter_hook,
-                 hooks.launch_exit_hook, *full)
+    metadata = None if enter is None else compiled.launch_metadata(grid, stream, *full)
+    n = len(grid)
+    if entry.direct is not None:
+        entry.direct(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                     entry.cooperative, entry.pdl, None, None, compiled.packed_metadata, metadata, enter,
+                     hooks.launch_exit_hook, *full)
+    else:
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                     compiled.packed_metadata, metadata, enter, hooks.launch_exit_hook, *full)
 
 
 def _interpret(kernel, grid, args, kwargs) -> None:

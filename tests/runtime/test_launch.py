@@ -24,8 +24,13 @@ def test_signature_tells_apart_what_specialisation_reads():
         _key(base, 16, 1, BLOCK=32),  # an int where a float was
         _key(base, 16, 0.5, BLOCK=64),  # constexprs and options
         _key(base, 16, None, BLOCK=32),
+        _key(base, True, 0.5, BLOCK=32),  # a bool (i1) where an int was: True == 1 in Python
+        _key(base, 16, 0.5, torch.nn.Parameter(base), BLOCK=32),  # a tensor subclass: keyed as a tensor
     ]
     assert len({_key(base, 16, 0.5, BLOCK=32), *different}) == len(different) + 1
+    assert _key(base, 1, 0.5, BLOCK=32) != _key(base, True, 0.5, BLOCK=32)
+    parameter = torch.nn.Parameter(base.clone())
+    assert _key(parameter, 16, 0.5, BLOCK=32) == _key(base, 16, 0.5, BLOCK=32)
 
 
 def test_unmodelled_arguments_take_tritons_path():
