@@ -193,22 +193,25 @@ def _strategy(name: str, rule) -> Chosen:
 _PLANS: dict = {}
 
 
-def plan_call(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layout: ChunkLayout) -> DeltaRulePlan:
-    """The plan of one chunk_gated_delta_rule call (forward and backward). Memoised on what it
-    depends on, except while overrides are in force (tests and sweeps)."""
-    overrides = active_overrides()
-    key = (q.device, q.dtype, layout.batch, layout.seq_len, q.shape[2], v.shape[2], q.shape[3], v.shape[3],
-           layout.num_seqs, layout.is_varlen, has_g, has_gk, tuning_cache.generation())
-    if not overrides:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan
-    plan = _build(*key[:12])
-    if not overrides:
+def _memoised(key: tuple, build: Callable[[], DeltaRulePlan]) -> DeltaRulePlan:
+    """The plan for `key`, built once: a plan depends only on what its key holds, except while
+    overrides are in force (tests and sweeps), when it is built every time."""
+    if active_overrides():
+        return build()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build()
         if len(_PLANS) > 4096:  # varying lengths: bounded
             _PLANS.clear()
         _PLANS[key] = plan
     return plan
+
+
+def plan_call(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layout: ChunkLayout) -> DeltaRulePlan:
+    """The plan of one chunk_gated_delta_rule call (forward and backward), memoised."""
+    key = (q.device, q.dtype, layout.batch, layout.seq_len, q.shape[2], v.shape[2], q.shape[3], v.shape[3],
+           layout.num_seqs, layout.is_varlen, has_g, has_gk, tuning_cache.generation())
+    return _memoised(key, lambda: _build(*key[:12]))
 
 
 def plan_context_parallel(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layout: ChunkLayout,
@@ -216,19 +219,17 @@ def plan_context_parallel(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk:
     """The plan of one rank's call under context parallelism: every state pass cut into segments
     (the join is where the ranks meet), the joins given. Segments of launch_table.SEGMENT_CHUNKS
     chunks unless gdn_chunks_per_segment says otherwise (0: one segment per sequence)."""
-    overrides = active_overrides()
     key = ("context parallel", q.device, q.dtype, layout.batch, layout.seq_len, q.shape[2], v.shape[2],
            q.shape[3], v.shape[3], layout.num_seqs, layout.is_varlen, has_g, has_gk, tuning_cache.generation())
-    plan = None if overrides else _PLANS.get(key)
-    if plan is None:
+
+    def build():
         chosen = _chunks_per_segment()
         if chosen.value is None and chosen.source == "override":  # 0, "not cut": one segment each
             chosen = Chosen(max(1, -(-layout.seq_len // CHUNK)), "override")
         elif chosen.value is None:
             chosen = Chosen(launch_table.SEGMENT_CHUNKS, "rule")
-        plan = _build(*key[1:13], segments=(chosen, chosen))
-        if not overrides:
-            _PLANS[key] = plan
+        return _build(*key[1:13], segments=(chosen, chosen))
+    plan = _memoised(key, build)
     return replace(plan, forward_join=forward_join, backward_join=backward_join)
 
 
@@ -355,14 +356,20 @@ def _dhu_fold(name: str, excluded: bool) -> Chosen:
 
 def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, V: int,
                  layout: ChunkLayout, has_g: bool, has_gk: bool) -> DeltaRulePlan:
-    """The plan of a public chunk_gated_delta_rule_bwd_dhu call: its one pass."""
-    segments = _chunks_per_segment()
-    chains = _state_pass_pairs(B, T, HV, layout.num_seqs, layout.is_varlen, segments.value)
-    off = Chosen(False, "rule")
-    shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
-             ("gates", _gates(has_g, has_gk)))
-    return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
-                         {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments, segments)
+    """The plan of a public chunk_gated_delta_rule_bwd_dhu call: its one pass, memoised (a short
+    call's time is mostly the host's)."""
+    key = ("bwd_dhu", device, B, T, H, HV, K, V, layout.num_seqs, layout.is_varlen, has_g, has_gk,
+           tuning_cache.generation())
+
+    def build():
+        segments = _chunks_per_segment()
+        chains = _state_pass_pairs(B, T, HV, layout.num_seqs, layout.is_varlen, segments.value)
+        off = Chosen(False, "rule")
+        shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
+                 ("gates", _gates(has_g, has_gk)))
+        return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
+                             {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments, segments)
+    return _memoised(key, build)
 
 
 _PREPARE_PASSES = ("prepare", "prepare_t", "prepare_gk")
