@@ -160,6 +160,12 @@ def _load_ahead(compiled, device: int) -> None:
             compiled._init_handles()
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook will run: Triton 3.6 keeps its hooks as chains (never None), and the
+    launch metadata it builds for them is only read by a hook in the chain."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), remembering Triton's choice of compiled kernel."""
     global _ENABLED
@@ -198,17 +204,20 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled = entry.compiled
     stream = driver.get_current_stream(device)
     hooks = triton.knobs.runtime
-    enter = hooks.launch_enter_hook
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
     full = args + entry.tail
-    metadata = None if enter is None else compiled.launch_metadata(grid, stream, *full)
+    if _hooked(enter) or _hooked(leave):
+        metadata = compiled.launch_metadata(grid, stream, *full)
+    else:  # no hook to run: the C launch then calls none (it skips None hooks)
+        metadata = enter = leave = None
     n = len(grid)
     if entry.direct is not None:
         entry.direct(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     entry.cooperative, entry.pdl, None, None, compiled.packed_metadata, metadata, enter,
-                     hooks.launch_exit_hook, *full)
+                     entry.cooperative, entry.pdl, None, None, compiled.packed_metadata, metadata, enter, leave,
+                     *full)
     else:
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, metadata, enter, hooks.launch_exit_hook, *full)
+                     compiled.packed_metadata, metadata, enter, leave, *full)
 
 
 def _interpret(kernel, grid, args, kwargs) -> None:

@@ -25,7 +25,6 @@ def test_signature_tells_apart_what_specialisation_reads():
         _key(base, 16, 0.5, BLOCK=64),  # constexprs and options
         _key(base, 16, None, BLOCK=32),
         _key(base, True, 0.5, BLOCK=32),  # a bool (i1) where an int was: True == 1 in Python
-        _key(base, 16, 0.5, torch.nn.Parameter(base), BLOCK=32),  # a tensor subclass: keyed as a tensor
     ]
     assert len({_key(base, 16, 0.5, BLOCK=32), *different}) == len(different) + 1
     assert _key(base, 1, 0.5, BLOCK=32) != _key(base, True, 0.5, BLOCK=32)
@@ -65,3 +64,28 @@ def test_reuse_only_where_specialisation_matches(monkeypatch):
     # five distinct signatures went through Triton; the three repeats were launched directly
     assert len(slow_calls) == 5
     assert len(fast._ENTRIES) == 5
+
+
+@pytest.mark.gpu
+def test_replayed_launches_reach_launch_hooks():
+    """A launch hook (Triton's profilers use them) sees replayed launches too, with their
+    metadata; without one the replay skips building it."""
+    if not fast.fast_launch_enabled():
+        pytest.skip("remembered launches are off for this Triton version")
+    fast.forget()
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    src = torch.randn(1000, device="cuda")
+    out = torch.empty_like(src)
+    fast.launch(_strided_scale, (8,), src, out, 1000, 1, 2.0, BLOCK=128)  # Triton's path, remembered
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        fast.launch(_strided_scale, (8,), src, out, 1000, 1, 3.0, BLOCK=128)  # replayed
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    fast.launch(_strided_scale, (8,), src, out, 1000, 1, 4.0, BLOCK=128)  # replayed, no hook
+    torch.testing.assert_close(out, src * 4.0, rtol=0, atol=0)
+    assert seen == ["_strided_scale"]
