@@ -329,26 +329,17 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
                     do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, HV, K, V, HAS_G)
 
 
-def chunk_gradients(q, v, has_g: bool):
-    """The chunk math's outputs: (dq, dk [B, T, HV, K] in q's dtype where the q/k heads are the
-    value heads, else fp32 for the caller's sum over each group; dv like v; dbeta fp32; dg fp32
-    or None)."""
-    B, T, HQ, K = q.shape
-    HV = v.shape[2]
-    grad_dtype = q.dtype if HQ == HV else torch.float32
-    dq = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
-    dk = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
-    dbeta = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
-    dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32) if has_g else None
-    return dq, dk, torch.empty_like(v), dbeta, dg
-
-
 def bwd_chunk(layout, q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, scale: float):
     """-> (dq, dk, dv, dbeta fp32, dg fp32 or None): dq and dk per value head, in q's dtype where
     the q/k heads are the value heads, else fp32 (for the caller's sum over each group)."""
     B, T, HQ, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    dq, dk, dv, dbeta, dg = chunk_gradients(q, v, g_cum is not None)
+    grad_dtype = q.dtype if HQ == HV else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
+    dk = torch.empty(B, T, HV, K, device=q.device, dtype=grad_dtype)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, device=q.device, dtype=torch.float32)
+    dg = torch.empty(B, T, HV, device=q.device, dtype=torch.float32) if g_cum is not None else None
     chunk_map, cu = (layout.chunk_map, layout.cu_seqlens) if layout.is_varlen else (None, None)
     launch(gdn_bwd_chunk_kernel, (layout.num_slots, B * HV),
            q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta, dq, dk, dv, dbeta, dg, chunk_map, cu, T, scale,
