@@ -30,8 +30,8 @@ BV = gl.constexpr(64)
 # 512 a thread summed over the four warpgroups; the first chain (the default partition) gets the
 # rest.
 SECOND_CHAIN_REGS = gl.constexpr(176)
-OUTPUT_REGS = gl.constexpr(128)
-LOAD_REGS = gl.constexpr(32)
+OUTPUT_REGS = gl.constexpr(136)
+LOAD_REGS = gl.constexpr(24)
 
 
 @gluon.jit
@@ -129,33 +129,68 @@ def _output(o, cu_seqlens, order, T, scale, tile_start,
         q_tile = q_ring.index(slot)
         pt = warpgroup_mma(k_ring.index(slot), q_tile.permute((1, 0)),
                            gl.zeros([CHUNK, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
-        for half in gl.static_range(HALVES):
-            hb = 2 * half + buf
-            mbarrier.wait(h_ready.index(hb), phase)
-            qh = warpgroup_mma(h_buf.index(hb), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
+        if HALVES == 1:
+            mbarrier.wait(h_ready.index(buf), phase)
+            qh = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
                                use_acc=False, is_async=True)
-            if half == 0:
-                # the decays of P^T and of q h^T while the products run
-                b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
-                gamma = gl.where(p_rows[:, None] <= cols[None, :],
-                                 exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
-                eb_scale = exp2_ftz(b2) * scale
-                pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-                p_stage.store((pt * gamma).to(dt))
-                fence_async_shared()
+            # the decays of P^T and of q h^T while the products run
+            b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
+            gamma = gl.where(p_rows[:, None] <= cols[None, :], exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
+            eb_scale = exp2_ftz(b2) * scale
+            pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+            p_stage.store((pt * gamma).to(dt))
+            fence_async_shared()
             qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh, ))
-            gl.thread_barrier()  # P^T whole in shared memory; h^T read (and q, k at the last half)
-            mbarrier.arrive(h_free.index(hb))
-            if half == HALVES - 1:
-                mbarrier.arrive(free.index(slot))
+            gl.thread_barrier()  # P^T whole in shared memory; q, k and h^T read
+            mbarrier.arrive(h_free.index(buf))
+            mbarrier.arrive(free.index(slot))
             out = qh * eb_scale[None, :]
-            mbarrier.wait(v_ready.index(hb), phase)
-            out = warpgroup_mma(v_buf.index(hb), p_stage, out, is_async=True)
+            mbarrier.wait(v_ready.index(buf), phase)
+            out = warpgroup_mma(v_buf.index(buf), p_stage, out, is_async=True)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
             gl.thread_barrier()
-            mbarrier.arrive(v_free.index(hb))
-            store_output(o, out, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK), hv, HV, V,
-                         tile_start + half * BV, BV, 4)
+            mbarrier.arrive(v_free.index(buf))
+            store_output(o, out, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK), hv, HV, V, tile_start,
+                         BV, 4)
+        else:
+            # both halves' q h^T in flight beside P^T, whose decays are applied in place once it
+            # lands (registers: no separate decay tile); each half's o product issued as soon as
+            # its q h^T and v_new^T are there
+            mbarrier.wait(h_ready.index(buf), phase)
+            qh0 = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)),
+                                gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+            mbarrier.wait(h_ready.index(2 + buf), phase)
+            qh1 = warpgroup_mma(h_buf.index(2 + buf), q_tile.permute((1, 0)),
+                                gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+            b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
+            pt = warpgroup_mma_wait(num_outstanding=2, deps=(pt, ))
+            pt = gl.where(p_rows[:, None] <= cols[None, :], pt * exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]),
+                          0.0)
+            p_stage.store(pt.to(dt))
+            fence_async_shared()
+            eb_scale = exp2_ftz(b2) * scale
+            qh0 = warpgroup_mma_wait(num_outstanding=1, deps=(qh0, ))
+            gl.thread_barrier()  # P^T whole in shared memory; the first half's h^T read
+            mbarrier.arrive(h_free.index(buf))
+            out0 = qh0 * eb_scale[None, :]
+            mbarrier.wait(v_ready.index(buf), phase)
+            out0 = warpgroup_mma(v_buf.index(buf), p_stage, out0, is_async=True)
+            qh1 = warpgroup_mma_wait(num_outstanding=1, deps=(qh1, ))
+            gl.thread_barrier()  # the second half's h^T, q and k read
+            mbarrier.arrive(h_free.index(2 + buf))
+            mbarrier.arrive(free.index(slot))
+            out1 = qh1 * eb_scale[None, :]
+            mbarrier.wait(v_ready.index(2 + buf), phase)
+            out1 = warpgroup_mma(v_buf.index(2 + buf), p_stage, out1, is_async=True)
+            out0 = warpgroup_mma_wait(num_outstanding=1, deps=(out0, ))
+            gl.thread_barrier()
+            mbarrier.arrive(v_free.index(buf))
+            n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
+            store_output(o, out0, bos + c * CHUNK, n_valid, hv, HV, V, tile_start, BV, 4)
+            out1 = warpgroup_mma_wait(num_outstanding=0, deps=(out1, ))
+            gl.thread_barrier()
+            mbarrier.arrive(v_free.index(2 + buf))
+            store_output(o, out1, bos + c * CHUNK, n_valid, hv, HV, V, tile_start + BV, BV, 4)
 
 
 @gluon.jit
