@@ -2,7 +2,7 @@
 forward's state pass + output: errors against the fp64 recurrence and the Triton forward, then
 do_bench medians of the forward's parts.
 
-    python bench/gdn_fused_forward.py [--check-only] [--variants 64x2,128x2,wsx2,ws128x2] [--out DIR]
+    python bench/gdn_fused_forward.py [--check-only] [--variants 64x2,128x2] [--out DIR]
 """
 import argparse
 import datetime
@@ -48,12 +48,10 @@ def prepared(x):
 
 
 def fused(x, bv, stages, prep=None):
-    """bv "ws" (or 0), "ws128": the warp-role kernel with one or two 64-wide chains a program; else
-    the one-role kernel's V tile."""
+    """bv 0: the warp-specialised kernel (64-wide V tiles)."""
     layout, plan, scale, g_cum, ai = prep or prepared(x)
-    if bv in (0, "ws", "ws128"):
-        return forward_ws(layout, x["q"], x["k"], x["v"], x["beta"], ai, g_cum, x["h0"], True, scale, stages,
-                          halves=2 if bv == "ws128" else 1)
+    if bv == 0:
+        return forward_ws(layout, x["q"], x["k"], x["v"], x["beta"], ai, g_cum, x["h0"], True, scale, stages)
     return forward_fused(layout, x["q"], x["k"], x["v"], x["beta"], ai, g_cum, x["h0"], True, scale, bv, stages)
 
 
@@ -94,7 +92,7 @@ def checks(variants, lines):
         o_tri, ht_tri = triton_forward(x)
         base = f"tri: o {rel(o_tri, o_ref):.2e} ht {rel(ht_tri, ht_ref):.2e}"
         for bv, st in variants:
-            if V % {0: 64, "ws": 64, "ws128": 128}.get(bv, bv):
+            if V % max(bv, 64):
                 continue
             o, ht = fused(x, bv, st)
             torch.cuda.synchronize()
@@ -108,6 +106,7 @@ def checks(variants, lines):
 BENCH = [  # label, B, T, H, K, V
     ("B4 T4096 H16", 4, 4096, 16, 128, 128),
     ("B8 T4096 H32", 8, 4096, 32, 128, 128),
+    ("B16 T4096 H32", 16, 4096, 32, 128, 128),
     ("B1 T8192 H16", 1, 8192, 16, 128, 128),
     ("B1 T32768 H16", 1, 32768, 16, 128, 128),
 ]
@@ -142,16 +141,15 @@ def _form(form, cut=None):
 
 
 PLAN_CASES = [  # label, B, T, H, {name: overrides}
-    ("B2 T4096 H16", 2, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64), "ws128": _form("ws128")}),
-    ("B4 T4096 H16", 4, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64), "ws128": _form("ws128")}),
-    ("B8 T4096 H32", 8, 4096, 32, {"triton": OFF, "rule": {}, "ws": _form("ws"), "ws128": _form("ws128")}),
+    ("B2 T4096 H16", 2, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64)}),
+    ("B4 T4096 H16", 4, 4096, 16, {"triton": OFF, "rule": {}, "one-role 64": _form(64)}),
+    ("B8 T4096 H32", 8, 4096, 32, {"triton": OFF, "rule": {}, "ws": _form("ws"), "one-role 128": _form(128)}),
     ("B1 T8192 H16", 1, 8192, 16, {"triton": OFF, "rule": {}, "ws": _form("ws"), "ws, cut 16": _form("ws", 16),
-                                   "ws, cut 32": _form("ws", 32), "ws128": _form("ws128"),
-                                   "ws128, cut 16": _form("ws128", 16)}),
+                                   "ws, cut 32": _form("ws", 32)}),
     ("B1 T32768 H16", 1, 32768, 16, {"triton (cut 64)": OFF, "rule": {}, "ws, cut 32": _form("ws", 32),
                                      "ws, cut 64": _form("ws", 64), "ws, cut 128": _form("ws", 128),
-                                     "one-role 64, cut 64": _form(64, 64), "ws128, cut 32": _form("ws128", 32),
-                                     "ws128, cut 64": _form("ws128", 64), "ws128, cut 128": _form("ws128", 128)}),
+                                     "one-role 64, cut 64": _form(64, 64)}),
+    ("B16 T4096 H32", 16, 4096, 32, {"rule": {}, "ws": _form("ws"), "one-role 128": _form(128)}),
 ]
 ONLY_PLANS = None  # --plans: a comma-separated subset of PLAN_CASES' labels
 
@@ -191,13 +189,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--no-plans", action="store_true")
-    ap.add_argument("--variants", default="64x2,128x2")  # V tile (or ws, ws128) x stages
+    ap.add_argument("--variants", default="64x2,128x2")  # V tile x stages
     ap.add_argument("--plans", default=None, help="comma-separated PLAN_CASES labels (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     global ONLY_PLANS
     ONLY_PLANS = args.plans.split(",") if args.plans else None
-    variants = [(int(f) if f.isdigit() else f, int(st)) for f, st in (v.split("x") for v in args.variants.split(","))]
+    variants = [tuple(int(p) for p in v.split("x")) for v in args.variants.split(",")]
     lines = [f"# gdn fused forward, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, bf16, K = V = 128 in timings"]
     worst = checks(variants, lines)

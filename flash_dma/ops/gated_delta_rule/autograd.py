@@ -85,17 +85,16 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
                    store_final: bool, scale, form):
-    """The state pass and output in one SM90 kernel (gluon/; form "ws" or "ws128": warp roles with
-    one or two 64-wide chains a program, else the one-role kernel's V tile): -> (o, final or None, segments or None). Where the plan cuts the
+    """The state pass and output in one SM90 kernel (gluon/; form "ws": warp roles, else the
+    one-role kernel's V tile): -> (o, final or None, segments or None). Where the plan cuts the
     sequences, the Triton state pass finds each segment's start (segments.py) and the fused
     kernel runs over the segments from those."""
     from .gluon.forward_fused import forward_fused
     from .gluon.forward_ws import forward_ws
 
     def run(h0, final_wanted, **over):
-        if form in ("ws", "ws128"):
-            return forward_ws(layout, q, k, v, beta, ai, g_cum, h0, final_wanted, scale,
-                              halves=2 if form == "ws128" else 1, **over)
+        if form == "ws":
+            return forward_ws(layout, q, k, v, beta, ai, g_cum, h0, final_wanted, scale, **over)
         return forward_fused(layout, q, k, v, beta, ai, g_cum, h0, final_wanted, scale, form, **over)
 
     per_segment = plan.segment_chunks()

@@ -11,8 +11,7 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
                              run side by side and joined (segments.py); None: not cut;
   gdn_fused_forward          the forward's state pass and output as one SM90 kernel: "ws" with
-                             warp roles (gluon/forward_ws.py; "ws128": two chains a program,
-                             128-wide V tiles), 64 or 128 the V tile of the
+                             warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
                              pass and output kernels;
   gdn_longest_first          packed sequences (varlen) run by the fused kernels longest first
@@ -58,9 +57,8 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
                "the backward's state pass forms v_new from T (default: launch_table's rule)")
 # Not cut by default: when a cut pays (few sequences x heads for the SMs, long sequences) is to
 # be derived from GPU sweeps (bench/sweep_gdn_segments.py); a positive int forces it.
-declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws", "ws128"),
-               "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles ('ws128': "
-               "two 64-wide chains a program), 64 or 128 "
+declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
+               "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
 declare_choice("gdn_longest_first", None, (True, False),
                "packed sequences run by the fused kernels longest first (default: launch_table's rule)")
@@ -94,19 +92,17 @@ class DeltaRulePlan:
     # join_segments without `reverse`.
     forward_join: Callable | None = None
     backward_join: Callable | None = None
-    fused_forward: Chosen = Chosen(None, "table")  # "ws", "ws128", 64 or 128 (the fused forward's form), or None
+    fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
 
     def fused_forward_form(self) -> int | str | None:
-        """The fused forward's form ("ws", "ws128": warp roles, one or two 64-wide chains a
-        program; 64, 128: the one-role kernel's V tile), or None (the Triton passes); logged like
-        a launch."""
+        """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
+        or None (the Triton passes); logged like a launch."""
         form = self.fused_forward.value
-        names = {None: "off", 0: "off", "ws": "warp_roles block_v=64", "ws128": "warp_roles block_v=128 chains=2"}
-        name = names.get(form, f"one_role block_v={form}")
+        name = "off" if not form else ("warp_roles block_v=64" if form == "ws" else f"one_role block_v={form}")
         log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
                    self.fused_forward.source)
         return form
@@ -321,7 +317,7 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
         return Chosen(launch_table.fused_forward_tile(K, V, chains, dtype, has_gk, device, varlen), "rule")
     if chosen.value == 0:
         return Chosen(None, "override")
-    tile = {"ws": 64, "ws128": 128}.get(chosen.value, chosen.value)
+    tile = 64 if chosen.value == "ws" else chosen.value
     if V % tile or not launch_table.fused_forward_fits(K, V, dtype, has_gk, device):
         raise ValueError(
             f"gdn_fused_forward={chosen.value!r}: the fused forward needs an SM90 GPU, no gk, K 64 or 128, V a "

@@ -16,8 +16,6 @@ from .cases import (
     make_inputs, poison_allocator
 )
 
-FORMS = ["ws", "ws128", 64, 128]
-TILE = {"ws": 64, "ws128": 128, 64: 64, 128: 128}  # the V tile of each form
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
     **FUSED_CASES,
     "varlen-V256-gqa": (1, 777, 1, 2, 128, 256, "g", False, torch.bfloat16, [128, 1, 648]),
@@ -27,13 +25,13 @@ CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or No
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
 @pytest.mark.parametrize("split", [None, 1, 3])
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", ["ws", 64, 128])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_fused_forward(name, form, split):
     chosen = {"gdn_fused_forward": form}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
-    _check_case(name, TILE[form], chosen,
+    _check_case(name, 64 if form == "ws" else form, chosen,
                 lambda plan: plan.fused_forward.value == form and plan.segment_chunks() == split)
 
 
@@ -91,12 +89,12 @@ def test_gpu_fused_forward_rule_by_programs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
 @pytest.mark.parametrize("longest_first", [True, False])
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", ["ws", 64, 128])
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] is not None])
 def test_gpu_fused_forward_takes_packed_sequences_longest_first(name, form, longest_first):
     """gdn_longest_first: the fused forward maps its programs to the packed sequences longest
     first (or as given); every output and gradient against fp64."""
-    _check_case(name, TILE[form], {"gdn_fused_forward": form, "gdn_longest_first": longest_first},
+    _check_case(name, 64 if form == "ws" else form, {"gdn_fused_forward": form, "gdn_longest_first": longest_first},
                 lambda plan: plan.longest_first.value == longest_first and plan.fused_forward.value == form)
 
 
@@ -112,8 +110,7 @@ def test_longest_first_order():
 
 @pytest.mark.parametrize("form, K, has_g, varlen", [(64, 128, True, False), (128, 128, True, True),
                                                    (64, 64, False, True), ("ws", 128, True, False),
-                                                   ("ws", 64, False, True), ("ws128", 128, True, False),
-                                                   ("ws128", 64, False, True)])
+                                                   ("ws", 64, False, True)])
 def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     """The Gluon kernels compile for sm_90a without a GPU (Triton's compiler and bundled ptxas):
     CI catches a kernel that no longer builds, or that outgrows shared memory, before a GPU run."""
@@ -122,10 +119,8 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     constants = {"HQ": 2, "HV": 4, "K": K, "V": 256, "STAGES": 2, "HAS_G": has_g, "HAS_H0": True,
                  "STORE_HT": True, "IS_VARLEN": varlen}
     gluon = "flash_dma.ops.gated_delta_rule.gluon"
-    if form in ("ws", "ws128"):
-        kernel = f"{gluon}.forward_ws.gdn_fwd_ws_kernel"
-        halves = 2 if form == "ws128" else 1
-        constants, options = {**constants, "HALVES": halves}, {"num_warps": 4, "maxnreg": 160 if halves == 1 else 128}
+    if form == "ws":
+        kernel, options = f"{gluon}.forward_ws.gdn_fwd_ws_kernel", {"num_warps": 4, "maxnreg": 160}
     else:
         kernel, options = f"{gluon}.forward_fused.gdn_fwd_fused_kernel", {"num_warps": form // 16}
         constants = {**constants, "BV": form}

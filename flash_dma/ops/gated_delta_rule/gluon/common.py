@@ -19,13 +19,6 @@ def exp2_ftz(x):
 
 
 @gluon.jit
-def opaque_zero():
-    """0, from an instruction the compiler does not look through (not pure: never merged with
-    another call's)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def sequence_of_program(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr, order=None):
     """(sequence x value head, value head, first token (int64), length, chunks) of this program
     (grid axis 1). order (varlen, or None): the sequences in the order their programs run
@@ -51,6 +44,7 @@ def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid,
     """cp.async of one chunk's q, k (q/k head `head`), v (value head hv, columns v_start..+BV) and
     T tiles into ring slots by the NW issuing warps; rows from n_valid on are zero-filled."""
     key_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [NW, 1], [1, 0])
+    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
     square_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, key_load))
     kcols = gl.arange(0, K, layout=gl.SliceLayout(0, key_load))
@@ -58,25 +52,16 @@ def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid,
     key_offs = ((tok0 + rows)[:, None] * HQ + head) * K + kcols[None, :]
     async_copy.async_copy_global_to_shared(q_slot, q + key_offs, key_mask)
     async_copy.async_copy_global_to_shared(k_slot, k + key_offs, key_mask)
-    copy_value_tile(v, v_slot, tok0, n_valid, hv, v_start, HV, V, BV, NW)
-    trows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, square_load))
-    tcols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, square_load))
-    t_mask = (trows < n_valid)[:, None] & (tcols < CHUNK)[None, :]
-    async_copy.async_copy_global_to_shared(t_slot, ai + ((tok0 + trows)[:, None] * HV + hv) * CHUNK + tcols[None, :],
-                                           t_mask)
-
-
-@gluon.jit
-def copy_value_tile(v, v_slot, tok0, n_valid, hv, v_start, HV: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-                    NW: gl.constexpr):
-    """cp.async of one chunk's v tile (value head hv, columns v_start..+BV) into a ring slot by the
-    NW issuing warps; rows from n_valid on are zero-filled."""
-    value_load: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [NW, 1], [1, 0])
     vrows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, value_load))
     vcols = v_start + gl.arange(0, BV, layout=gl.SliceLayout(0, value_load))
     value_mask = (vrows < n_valid)[:, None] & (vcols < V)[None, :]
     async_copy.async_copy_global_to_shared(v_slot, v + ((tok0 + vrows)[:, None] * HV + hv) * V + vcols[None, :],
                                            value_mask)
+    trows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, square_load))
+    tcols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, square_load))
+    t_mask = (trows < n_valid)[:, None] & (tcols < CHUNK)[None, :]
+    async_copy.async_copy_global_to_shared(t_slot, ai + ((tok0 + trows)[:, None] * HV + hv) * CHUNK + tcols[None, :],
+                                           t_mask)
 
 
 @gluon.jit
@@ -104,11 +89,10 @@ def last_gate(g_cum, tok0, n_valid, hv, HV: gl.constexpr, HAS_G: gl.constexpr):
 
 
 @gluon.jit
-def state_offsets(v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.constexpr, layout: gl.constexpr, zero=0):
-    """Offsets and mask of h^T [BV, K] in a [K, V] state: element (v, k) at k * V + v. zero: 0,
-    or opaque_zero() for offsets the compiler must not take from an earlier call's."""
+def state_offsets(v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.constexpr, layout: gl.constexpr):
+    """Offsets and mask of h^T [BV, K] in a [K, V] state: element (v, k) at k * V + v."""
     sv = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, layout))
-    sk = gl.arange(0, K, layout=gl.SliceLayout(0, layout)) + zero
+    sk = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
     return sk[None, :] * V + sv[:, None], (sv < V)[:, None] & (sk < K)[None, :]
 
 
@@ -126,17 +110,15 @@ def store_output(o, out, tok0, n_valid, hv, HV: gl.constexpr, V: gl.constexpr, v
 
 
 @gluon.jit
-def allocate_ring(dt: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr,
-                  VALUE_TILES: gl.constexpr = 1):
+def allocate_ring(dt: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr):
     """The shared-memory ring of a chunk's q, k [64, K], v [64, BV] and T [64, 64] tiles, STAGES
-    slots each (VALUE_TILES v tiles a slot: slot s's i-th at s * VALUE_TILES + i), in the swizzled
-    layouts warpgroup MMA reads."""
+    slots each, in the swizzled layouts warpgroup MMA reads."""
     key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
     square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
     return (gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem),
             gl.allocate_shared_memory(dt, [STAGES, CHUNK, K], key_smem),
-            gl.allocate_shared_memory(dt, [STAGES * VALUE_TILES, CHUNK, BV], value_smem),
+            gl.allocate_shared_memory(dt, [STAGES, CHUNK, BV], value_smem),
             gl.allocate_shared_memory(dt, [STAGES, CHUNK, CHUNK], square_smem))
 
 

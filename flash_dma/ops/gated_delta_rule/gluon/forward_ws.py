@@ -1,17 +1,15 @@
 """The fused forward (forward_fused.py's math) with warp roles: the chain warpgroup runs only
 the dependent products of each chunk (k h^T, T x^T, the state update) and hands h^T and v_new^T
 through shared memory to an output warpgroup, which computes P^T, q h^T and o beside it, while a
-load warpgroup fills a ring of q, k, v and T tiles. Per CTA: one (V tile, sequence x value head),
-the tile HALVES x 64 wide: with HALVES = 2 two chain warpgroups carry a 64-wide half of the state
-each, and the output and load warpgroups serve both (P^T and the q, k and T tiles once for 128
-columns). Scalar gate or none; K 64 or 128; 16-bit inputs.
+load warpgroup fills a ring of q, k, v and T tiles. Per CTA: one (V tile of 64, sequence x value
+head). Scalar gate or none; K 64 or 128; 16-bit inputs.
 
 Barriers (mbarriers, one arrive each unless said):
     ready[s]   loads of ring slot s landed (cp.async arrivals of the load warpgroup's 128 threads,
                and one arrival after its stores of the slot's gate and beta rows)
-    free[s]    slot s read by the chain warpgroups and the output warpgroup (HALVES + 1 arrivals)
-    h_ready[i] / h_free[i]    h^T of a half's chunk c in buffer i = 2 half + c % 2, written / read
-    v_ready[i] / v_free[i]    v_new^T of a half's chunk c in buffer i, written / read
+    free[s]    slot s read by the chain and the output warpgroups (two arrivals)
+    h_ready[i] / h_free[i]    h^T of chunk c in buffer i = c % 2, written / read
+    v_ready[i] / v_free[i]    v_new^T of chunk c in buffer i, written / read
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -21,30 +19,21 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, allocate_ring, copy_chunk_tiles, copy_value_tile, exp2_ftz, opaque_zero, gate_rows, last_gate, output_buffers, sequence_of_program,
+    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
     hand_off, start_state, state_offsets, store_output
 )
 
 BV = gl.constexpr(64)
-# Registers a thread of the two-chain form's worker partitions: 16 warps share 64 K registers,
-# 512 a thread summed over the four warpgroups; the first chain (the default partition) gets the
-# rest.
-SECOND_CHAIN_REGS = gl.constexpr(176)
-OUTPUT_REGS = gl.constexpr(136)
-LOAD_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _chain(h0, ht, g_cum, cu_seqlens, order, T, tile_start,
+def _chain(h0, ht, g_cum, cu_seqlens, order, T, v_start,
            k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
            HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr,
-           HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr,
-           HALF: gl.constexpr, HALVES: gl.constexpr):
-    """A state warpgroup (the tile's 64-wide half HALF): per chunk kh^T = h^T k^T,
-    x^T = (v^T - kh^T e^B) beta, vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k;
-    hands h^T and vn^T on."""
+           HAS_G: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The state's warpgroup: per chunk kh^T = h^T k^T, x^T = (v^T - kh^T e^B) beta,
+    vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k; hands h^T and vn^T on."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
-    v_start = tile_start + HALF * BV
     dt: gl.constexpr = k_ring.dtype
     state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, K, 16])
@@ -58,7 +47,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, order, T, tile_start,
     b2_last = last_gate(g_cum, bos, gl.minimum(seq_len, CHUNK), hv, HV, HAS_G)
     for c in range(0, num_chunks):
         slot = c % STAGES
-        buf = 2 * HALF + c % 2
+        buf = c % 2
         phase = (c // 2) & 1
         next_rows = gl.maximum(gl.minimum(seq_len - (c + 1) * CHUNK, CHUNK), 0)
         b2_last_next = last_gate(g_cum, bos + (c + 1) * CHUNK, next_rows, hv, HV, HAS_G)
@@ -67,22 +56,15 @@ def _chain(h0, ht, g_cum, cu_seqlens, order, T, tile_start,
         b2 = g_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
         b_beta = beta_rows.index(slot).load(gl.SliceLayout(0, chunk_acc))
         k_tile = k_ring.index(slot)
-        if HALVES == 1:
-            kh = warpgroup_mma(gl.convert_layout(h_low, a_for_chunk), k_tile.permute((1, 0)),
-                               gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
-            # h^T for the output warpgroup, while k h^T runs
-            hand_off(h_buf, h_low, h_ready, h_free, buf, phase)
-        else:
-            # two chains share the register file: k h^T reads h^T from the output's buffer, so
-            # that its 16-bit copy does not stay in registers while the product runs
-            hand_off(h_buf, h_low, h_ready, h_free, buf, phase)
-            kh = warpgroup_mma(h_buf.index(buf), k_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                               use_acc=False, is_async=True)
+        kh = warpgroup_mma(gl.convert_layout(h_low, a_for_chunk), k_tile.permute((1, 0)),
+                           gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
+        # h^T for the output warpgroup, while k h^T runs
+        hand_off(h_buf, h_low, h_ready, h_free, buf, phase)
         # everything that does not need k h^T, while it runs
         valid = cols < gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
         eb_beta = exp2_ftz(b2) * b_beta
         decay = exp2_ftz(b2_last - b2)
-        v_beta = v_ring.index(slot * HALVES + HALF).permute((1, 0)).load(chunk_acc).to(gl.float32) * b_beta[None, :]  # v^T beta
+        v_beta = v_ring.index(slot).permute((1, 0)).load(chunk_acc).to(gl.float32) * b_beta[None, :]  # v^T beta
         kh = warpgroup_mma_wait(num_outstanding=0, deps=(kh, ))
         x = v_beta - kh * eb_beta[None, :]
         vn = warpgroup_mma(gl.convert_layout(x.to(dt), a_for_chunk), t_ring.index(slot).permute((1, 0)),
@@ -100,19 +82,16 @@ def _chain(h0, ht, g_cum, cu_seqlens, order, T, tile_start,
         mbarrier.arrive(free.index(slot))
         b2_last = b2_last_next
     if STORE_HT:
-        # the offsets formed anew from a zero the compiler cannot see through: else they are the
-        # start's, an offset per element held through the loop (beyond two chains' registers)
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc, opaque_zero() if HALVES > 1 else 0)
+        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
         gl.store(ht + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
 
 
 @gluon.jit
-def _output(o, cu_seqlens, order, T, scale, tile_start,
+def _output(o, cu_seqlens, order, T, scale, v_start,
             q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free, h_ready, h_free, v_ready, v_free,
-            HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-            HALVES: gl.constexpr):
-    """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, once per chunk,
-    then for each half o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
+            HV: gl.constexpr, V: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The output's warpgroup: P^T = scale (k q^T . e^(B_i - B_j)) on j <= i, then
+    o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     dt: gl.constexpr = q_ring.dtype
     chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -129,74 +108,33 @@ def _output(o, cu_seqlens, order, T, scale, tile_start,
         q_tile = q_ring.index(slot)
         pt = warpgroup_mma(k_ring.index(slot), q_tile.permute((1, 0)),
                            gl.zeros([CHUNK, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
-        if HALVES == 1:
-            mbarrier.wait(h_ready.index(buf), phase)
-            qh = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
-                               use_acc=False, is_async=True)
-            # the decays of P^T and of q h^T while the products run
-            b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
-            gamma = gl.where(p_rows[:, None] <= cols[None, :], exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
-            eb_scale = exp2_ftz(b2) * scale
-            pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
-            p_stage.store((pt * gamma).to(dt))
-            fence_async_shared()
-            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh, ))
-            gl.thread_barrier()  # P^T whole in shared memory; q, k and h^T read
-            mbarrier.arrive(h_free.index(buf))
-            mbarrier.arrive(free.index(slot))
-            out = qh * eb_scale[None, :]
-            mbarrier.wait(v_ready.index(buf), phase)
-            out = warpgroup_mma(v_buf.index(buf), p_stage, out, is_async=True)
-            out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
-            gl.thread_barrier()
-            mbarrier.arrive(v_free.index(buf))
-            store_output(o, out, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK), hv, HV, V, tile_start,
-                         BV, 4)
-        else:
-            # both halves' q h^T in flight beside P^T, whose decays are applied in place once it
-            # lands (registers: no separate decay tile); each half's o product issued as soon as
-            # its q h^T and v_new^T are there
-            mbarrier.wait(h_ready.index(buf), phase)
-            qh0 = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)),
-                                gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
-            mbarrier.wait(h_ready.index(2 + buf), phase)
-            qh1 = warpgroup_mma(h_buf.index(2 + buf), q_tile.permute((1, 0)),
-                                gl.zeros([BV, CHUNK], gl.float32, chunk_acc), use_acc=False, is_async=True)
-            b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
-            pt = warpgroup_mma_wait(num_outstanding=2, deps=(pt, ))
-            pt = gl.where(p_rows[:, None] <= cols[None, :], pt * exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]),
-                          0.0)
-            p_stage.store(pt.to(dt))
-            fence_async_shared()
-            eb_scale = exp2_ftz(b2) * scale
-            qh0 = warpgroup_mma_wait(num_outstanding=1, deps=(qh0, ))
-            gl.thread_barrier()  # P^T whole in shared memory; the first half's h^T read
-            mbarrier.arrive(h_free.index(buf))
-            out0 = qh0 * eb_scale[None, :]
-            mbarrier.wait(v_ready.index(buf), phase)
-            out0 = warpgroup_mma(v_buf.index(buf), p_stage, out0, is_async=True)
-            qh1 = warpgroup_mma_wait(num_outstanding=1, deps=(qh1, ))
-            gl.thread_barrier()  # the second half's h^T, q and k read
-            mbarrier.arrive(h_free.index(2 + buf))
-            mbarrier.arrive(free.index(slot))
-            out1 = qh1 * eb_scale[None, :]
-            mbarrier.wait(v_ready.index(2 + buf), phase)
-            out1 = warpgroup_mma(v_buf.index(2 + buf), p_stage, out1, is_async=True)
-            out0 = warpgroup_mma_wait(num_outstanding=1, deps=(out0, ))
-            gl.thread_barrier()
-            mbarrier.arrive(v_free.index(buf))
-            n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
-            store_output(o, out0, bos + c * CHUNK, n_valid, hv, HV, V, tile_start, BV, 4)
-            out1 = warpgroup_mma_wait(num_outstanding=0, deps=(out1, ))
-            gl.thread_barrier()
-            mbarrier.arrive(v_free.index(2 + buf))
-            store_output(o, out1, bos + c * CHUNK, n_valid, hv, HV, V, tile_start + BV, BV, 4)
+        mbarrier.wait(h_ready.index(buf), phase)
+        qh = warpgroup_mma(h_buf.index(buf), q_tile.permute((1, 0)), gl.zeros([BV, CHUNK], gl.float32, chunk_acc),
+                           use_acc=False, is_async=True)
+        # the decays of P^T and of q h^T while the products run
+        b_j = gl.convert_layout(b2, gl.SliceLayout(1, chunk_acc))
+        gamma = gl.where(p_rows[:, None] <= cols[None, :], exp2_ftz(b2[None, :] + log2_scale - b_j[:, None]), 0.0)
+        eb_scale = exp2_ftz(b2) * scale
+        pt = warpgroup_mma_wait(num_outstanding=1, deps=(pt, ))
+        p_stage.store((pt * gamma).to(dt))
+        fence_async_shared()
+        qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh, ))
+        gl.thread_barrier()  # P^T whole in shared memory; q, k and h^T read
+        mbarrier.arrive(h_free.index(buf))
+        mbarrier.arrive(free.index(slot))
+        out = qh * eb_scale[None, :]
+        mbarrier.wait(v_ready.index(buf), phase)
+        out = warpgroup_mma(v_buf.index(buf), p_stage, out, is_async=True)
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(out, ))
+        gl.thread_barrier()
+        mbarrier.arrive(v_free.index(buf))
+        store_output(o, out, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK), hv, HV, V, v_start, BV, 4)
 
 
 @gluon.jit
-def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, tile_start, q_ring, k_ring, v_ring, t_ring, g_rows,
-            beta_rows, ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-            STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr, HALVES: gl.constexpr):
+def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows,
+            ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+            STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The load warpgroup: cp.async of each chunk's q, k (per q/k head), v and T (per value
     head) into the ring, rows past the sequence zero-filled; each thread's copies arrive on the
     slot's ready barrier as they land; the chunk's gate cumsums (log2 units) and beta go to the
@@ -211,11 +149,8 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, tile_start, q_ring, 
         n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
         b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, row_idx, HAS_G)  # in flight through the wait
         mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
-        copy_chunk_tiles(q, k, v, ai, q_ring.index(slot), k_ring.index(slot), v_ring.index(slot * HALVES),
-                         t_ring.index(slot), tok0, n_valid, head, hv, tile_start, HQ, HV, K, V, BV, 4)
-        for half in gl.static_range(1, HALVES):
-            copy_value_tile(v, v_ring.index(slot * HALVES + half), tok0, n_valid, hv, tile_start + half * BV,
-                            HV, V, BV, 4)
+        copy_chunk_tiles(q, k, v, ai, q_ring.index(slot), k_ring.index(slot), v_ring.index(slot), t_ring.index(slot),
+                         tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, 4)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
         g_rows.index(slot).store(b2)
         beta_rows.index(slot).store(b_beta)
@@ -227,72 +162,54 @@ def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, tile_start, q_ring, 
 def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
                       HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                       STAGES: gl.constexpr, HAS_G: gl.constexpr, HAS_H0: gl.constexpr,
-                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr, HALVES: gl.constexpr = 1):
-    """One program per (V tile of HALVES x 64, sequence x value head); 4 warps here (the first
-    half's chain), plus the other half's chain, the output and the load warpgroups. order: see
-    common.sequence_of_program (a tensor argument before the constexprs, so that runtime.launch
-    can replay the launch)."""
+                      STORE_HT: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """One program per (V tile of 64, sequence x value head); 4 warps here (the chain), plus the
+    output and load warpgroups. order: see common.sequence_of_program (a tensor argument before
+    the constexprs, so that runtime.launch can replay the launch)."""
     dt: gl.constexpr = q.dtype.element_ty
-    tile_start = gl.program_id(0) * (HALVES * BV)
+    v_start = gl.program_id(0) * BV
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BV], dt)
     state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, K], dt)
-    q_ring, k_ring, v_ring, t_ring = allocate_ring(dt, K, BV, STAGES, HALVES)
-    h_buf = gl.allocate_shared_memory(dt, [2 * HALVES, BV, K], state_smem)
-    v_buf = gl.allocate_shared_memory(dt, [2 * HALVES, BV, CHUNK], value_smem)
+    q_ring, k_ring, v_ring, t_ring = allocate_ring(dt, K, BV, STAGES)
+    h_buf = gl.allocate_shared_memory(dt, [2, BV, K], state_smem)
+    v_buf = gl.allocate_shared_memory(dt, [2, BV, CHUNK], value_smem)
     p_stage = gl.allocate_shared_memory(dt, [CHUNK, CHUNK], value_smem)
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     g_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
     beta_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    h_ready = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
-    h_free = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
+    h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    h_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=129)  # one cp.async arrival per load thread, one for the rows
-        mbarrier.init(free.index(i), count=HALVES + 1)
-    for i in gl.static_range(2 * HALVES):
+        mbarrier.init(free.index(i), count=2)
+    for i in gl.static_range(2):
         mbarrier.init(h_ready.index(i), count=1)
         mbarrier.init(h_free.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_free.index(i), count=1)
-    # (the partitions' argument tuples written out in each call: tuples held in a variable reach
-    # the partitions with their constexprs turned into tensors)
-    if HALVES == 1:
-        gl.warp_specialize([
-            (_chain, (h0, ht, g_cum, cu_seqlens, order, T, tile_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf,
-                      v_buf, ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
-                      IS_VARLEN, 0, 1)),
-            (_output, (o, cu_seqlens, order, T, scale, tile_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready,
-                       free, h_ready, h_free, v_ready, v_free, HV, V, STAGES, IS_VARLEN, 1)),
-            (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, order, T, tile_start, q_ring, k_ring, v_ring, t_ring,
-                       g_rows, beta_rows, ready, free, HQ, HV, K, V, STAGES, HAS_G, IS_VARLEN, 1)),
-        ], [4, 4], [160, 64])
-    else:  # 16 warps at 128 registers each, reassigned: two chains, the output, the loads
-        gl.warp_specialize([
-            (_chain, (h0, ht, g_cum, cu_seqlens, order, T, tile_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf,
-                      v_buf, ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
-                      IS_VARLEN, 0, 2)),
-            (_chain, (h0, ht, g_cum, cu_seqlens, order, T, tile_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf,
-                      v_buf, ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
-                      IS_VARLEN, 1, 2)),
-            (_output, (o, cu_seqlens, order, T, scale, tile_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready,
-                       free, h_ready, h_free, v_ready, v_free, HV, V, STAGES, IS_VARLEN, 2)),
-            (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, order, T, tile_start, q_ring, k_ring, v_ring, t_ring,
-                       g_rows, beta_rows, ready, free, HQ, HV, K, V, STAGES, HAS_G, IS_VARLEN, 2)),
-        ], [4, 4, 4], [SECOND_CHAIN_REGS, OUTPUT_REGS, LOAD_REGS])
+    gl.warp_specialize([
+        (_chain, (h0, ht, g_cum, cu_seqlens, order, T, v_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf,
+                  ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
+                  IS_VARLEN)),
+        (_output, (o, cu_seqlens, order, T, scale, v_start, q_ring, k_ring, p_stage, g_rows, h_buf, v_buf, ready, free,
+                   h_ready, h_free, v_ready, v_free, HV, V, STAGES, IS_VARLEN)),
+        (_loader, (q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows,
+                   beta_rows, ready, free, HQ, HV, K, V, STAGES, HAS_G, IS_VARLEN)),
+    ], [4, 4], [160, 64])
 
 
 def forward_ws(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, stages: int = 2,
-               cu_seqlens=None, num_seqs=None, order=None, halves: int = 1):
-    """As forward_fused.forward_fused with V tiles of halves x 64 (V a multiple of that)."""
+               cu_seqlens=None, num_seqs=None, order=None):
+    """As forward_fused.forward_fused with 64-wide V tiles."""
     T, HQ, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
     o, ht, cu_seqlens, num_seqs = output_buffers(layout, q, v, store_final, cu_seqlens, num_seqs)
-    launch(gdn_fwd_ws_kernel, (ceil_div(V, 64 * halves), num_seqs * HV),
+    launch(gdn_fwd_ws_kernel, (ceil_div(V, 64), num_seqs * HV),
            q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, STAGES=stages, HAS_G=g_cum is not None, HAS_H0=h0 is not None,
-           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, HALVES=halves, num_warps=4,
-           maxnreg=160 if halves == 1 else 128)
+           STORE_HT=store_final, IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=160)
     return o, ht
