@@ -184,22 +184,25 @@ def states_from_inverse(K: int, sequences_x_heads: int, device: torch.device, ba
 # The forward's state pass and output fused in one Hopper kernel (gluon/), from
 # bench/gdn_fused_forward.py (H100, K = V = 128; kernel ms). Two forms: warp roles
 # (forward_ws.py: a chain warpgroup, an output warpgroup and a load warpgroup per 64-wide V tile,
-# one program per SM) up to about two waves of (chain, V tile) programs (B1 T8192 H16, 32
+# one program per SM) up to four (chain, V tile) programs a SM (B1 T8192 H16, 32
 # programs: 0.22 against 0.27 for the Triton passes; B4 T4096 H16, 128 programs: 0.16 against
 # 0.22 one-role and 0.32 Triton; B1 T32768 H16 cut into 64-chunk segments, 256 programs: public
 # forward 0.67 against 0.75 one-role), and beyond that the one-role kernel with 128-wide tiles
-# (forward_fused.py, eight warps; B8 T4096 H32, 512 programs: 0.54, warp roles 0.63, Triton 1.12).
+# (forward_fused.py, eight warps). The bound between them, same runs on both cards (2026-11-27,
+# bench/results/gdn-fused-forward-forms-20261127.txt): B8 T4096 H32 (512 programs, 3.9 a SM) kernel
+# 0.513 warp roles / 0.566 one-role on an H200 (public forward 0.671 / 0.726), 0.589 / 0.582 on an
+# H100 (public 0.758 / 0.757); B16 T4096 H32 (7.8 a SM) on the H100 1.169 / 1.150.
 # Below that the Triton passes' narrower V tiles spread each chain over more SMs (not measured
 # below 32 programs).
 FUSED_MIN_TILES_PER_SM = 0.2
-WARP_ROLES_MAX_TILES_PER_SM = 2.0
+WARP_ROLES_MAX_TILES_PER_SM = 4.0
 
 
 def fused_forward_tile(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool,
                        device: torch.device, varlen: bool = False):
     """The fused forward's form: "ws" (warp roles, 64-wide V tiles), 64 or 128 (the V tile of
     the one-role kernel), or None where the Triton passes run. Packed sequences (varlen) take
-    warp roles wherever the fused forward runs (not only up to two waves): their longest chain,
+    warp roles wherever the fused forward runs (not only up to four tiles a SM): their longest chain,
     not the total work, sets the time, and a chunk step of the warp-role kernel is about half the
     one-role kernel's."""
     if not fused_forward_fits(K, V, dtype, has_gk, device):

@@ -69,7 +69,7 @@ def test_fused_forward_rule():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
 def test_gpu_fused_forward_rule_by_programs():
-    """Few (chain, V tile) programs: the Triton passes; about a wave: warp roles; more: the
+    """Few (chain, V tile) programs: the Triton passes; up to four a SM: warp roles; more: the
     one-role kernel with 128-wide tiles; never with gk, fp32 or K = 256."""
     dev = torch.device(DEVICE)
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -78,7 +78,8 @@ def test_gpu_fused_forward_rule_by_programs():
     assert tile(128, 128, sm // 4, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, sm // 2, torch.bfloat16, False, dev) == "ws"
     assert tile(128, 128, sm, torch.bfloat16, False, dev) == "ws"
-    assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == 128
+    assert tile(128, 128, 2 * sm, torch.bfloat16, False, dev) == "ws"
+    assert tile(128, 128, 4 * sm, torch.bfloat16, False, dev) == 128
     assert tile(128, 128, 4 * sm, torch.bfloat16, False, dev, varlen=True) == "ws"  # packed: warp roles
     assert tile(128, 192, 2 * sm, torch.bfloat16, False, dev) == 64
     assert tile(128, 128, 2 * sm, torch.bfloat16, True, dev) is None
