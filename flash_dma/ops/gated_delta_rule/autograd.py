@@ -113,10 +113,12 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
+    dhu_warp_roles = ai is not None and plan.dhu_warp_roles_on()  # bwd_dhu forms dv_local and w itself
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
-    elif plan.dhu_w_from_t_on():  # the state pass forms v_new from T and bwd_dhu takes T: no w
+    elif (dhu_warp_roles and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
+        # the state pass forms v_new from T and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
@@ -126,13 +128,20 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     # u None: the state pass forms v_new from T (w is still bwd_dhu's)
     h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
                                                   g_cum, gk_cum, initial_state, store_final=False, known=segments)
-    fold_dv = plan.dhu_local_dv_on()
-    dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale, v.dtype)
-    dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
-                                       dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
-                                       forward_transition=None if segments is None else segments[1],
-                                       local_dv_dtype=v.dtype if fold_dv else None,
-                                       inverse=(ai, beta) if w is None else None)
+    if dhu_warp_roles:
+        from .gluon.bwd_dhu_ws import bwd_dhu_ws
+        dv_local = None
+        dh, dh0, dv2 = bwd_dhu_ws(layout, q, k, ai, beta, do.to(q.dtype), g_cum, dht, initial_state is not None,
+                                  scale, v.dtype)
+    else:
+        fold_dv = plan.dhu_local_dv_on()
+        dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale,
+                                                            v.dtype)
+        dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
+                                           dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
+                                           forward_transition=None if segments is None else segments[1],
+                                           local_dv_dtype=v.dtype if fold_dv else None,
+                                           inverse=(ai, beta) if w is None else None)
     # what the passes below do not read is freed before they allocate (peak memory)
     del segments, w, u
     del k_gated, q_gated, dv_local

@@ -250,3 +250,24 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
 # sit in every chunk's step of the chain; only the H100's full-GPU shapes gained, by about 1%.
 # Off by default; the overrides stay for other shapes and cards.
 DHU_FOLDS_BY_DEFAULT = False
+
+
+# bwd_dhu with warp roles (gluon/bwd_dhu_ws.py), forming the intra-chunk dv and w off its chain:
+# off until measured on the GPU (its first form without the folds, 2026-11-26: 0.45x the Triton
+# kernel at 32 programs, 0.96-1.00x from about a wave of 64-wide tiles).
+DHU_WARP_ROLES_MIN_TILES_PER_SM = None
+
+
+def dhu_warp_roles_fit(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
+    """Whether the warp-role bwd_dhu computes such a call: an SM90 GPU, scalar gate or none, K 64
+    or 128, V a multiple of 64, 16-bit inputs."""
+    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
+            and not has_gk and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))
+
+
+def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:
+    """Where the fitting warp-role bwd_dhu is chosen: from DHU_WARP_ROLES_MIN_TILES_PER_SM (chain,
+    V tile) programs a SM (None: nowhere)."""
+    if DHU_WARP_ROLES_MIN_TILES_PER_SM is None:
+        return False
+    return chains * (V // 64) >= DHU_WARP_ROLES_MIN_TILES_PER_SM * device_info(device).sm_count

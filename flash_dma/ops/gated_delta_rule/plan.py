@@ -23,7 +23,10 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_dhu_local_dv           bwd_dhu forms the intra-chunk dv (P^T do) itself instead of reading
                              it from the local_dv pass (scalar gate or none);
   gdn_dhu_w_from_t           bwd_dhu applies w^T through T and the keys instead of reading w, so
-                             the backward does not recompute w (scalar gate or none).
+                             the backward does not recompute w (scalar gate or none);
+  gdn_dhu_warp_roles         bwd_dhu as one SM90 kernel with warp roles (gluon/bwd_dhu_ws.py) that
+                             forms the intra-chunk dv and w itself off its chain: no local_dv pass
+                             and no recompute of w.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -68,6 +71,9 @@ declare_choice("gdn_dhu_local_dv", None, (True, False),
                "bwd_dhu forms the intra-chunk dv itself, no local_dv pass (default: launch_table's rule)")
 declare_choice("gdn_dhu_w_from_t", None, (True, False),
                "bwd_dhu applies w^T through T, no recompute of w (default: launch_table's rule)")
+declare_choice("gdn_dhu_warp_roles", None, (True, False),
+               "bwd_dhu with warp roles on Hopper, forming the intra-chunk dv and w itself (default: "
+               "launch_table's rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -97,6 +103,7 @@ class DeltaRulePlan:
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
+    dhu_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/bwd_dhu_ws.py (forms dv_local and w itself)
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -123,6 +130,14 @@ class DeltaRulePlan:
         on = bool(self.fused_backward.value)
         log_choice(OP, "fused_backward", "gluon" if on else self.backend, self.info, self.shape,
                    "one_kernel warps=8" if on else "off", self.fused_backward.source)
+        return on
+
+    def dhu_warp_roles_on(self) -> bool:
+        """Whether bwd_dhu runs as the warp-role Gluon kernel that forms the intra-chunk dv and w
+        itself (no local_dv pass, no recompute of w); logged like a launch."""
+        on = bool(self.dhu_warp_roles.value)
+        log_choice(OP, "bwd_dhu.warp_roles", "gluon" if on else self.backend, self.info, self.shape,
+                   "warp_roles block_v=64" if on else "off", self.dhu_warp_roles.source)
         return on
 
     def dhu_local_dv_on(self) -> bool:
@@ -305,7 +320,25 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
-                         dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value))
+                         dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value),
+                         dhu_warp_roles=_dhu_warp_roles(K, V, dhu_chains, dtype, has_gk, keep, dhu_segments.value,
+                                                        device))
+
+
+def _dhu_warp_roles(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
+                    device) -> Chosen:
+    """Whether bwd_dhu runs with warp roles (gluon/bwd_dhu_ws.py): launch_table's rule, or the
+    override; a forced form the call cannot take is an error, not a silent fallback."""
+    chosen = choice("gdn_dhu_warp_roles")
+    fits = keep and cut is None and launch_table.dhu_warp_roles_fit(K, V, dtype, has_gk, device)
+    if chosen.value is None:
+        return Chosen(fits and launch_table.dhu_warp_roles_rule(V, chains, device), "rule")
+    if chosen.value and not fits:
+        raise ValueError(
+            f"gdn_dhu_warp_roles=True: the warp-role bwd_dhu needs an SM90 GPU, no gk, K 64 or 128, V a multiple "
+            f"of 64, 16-bit inputs, T kept by the forward and bwd_dhu not cut into segments; got device {device}, "
+            f"gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
+    return chosen
 
 
 def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, varlen: bool,
@@ -414,7 +447,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
                  "dhu_chunks_per_segment", "fused_forward", "longest_first",
                  "fused_backward", "dhu_local_dv",
-                 "dhu_w_from_t"):
+                 "dhu_w_from_t", "dhu_warp_roles"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

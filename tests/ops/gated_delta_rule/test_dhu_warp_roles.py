@@ -1,0 +1,93 @@
+"""bwd_dhu with warp roles (gluon/bwd_dhu_ws.py, `gdn_dhu_warp_roles`), which forms the
+intra-chunk dv and w itself: every gradient of the op against the fp64 reference, fixed lengths
+and varlen with empty and single-token sequences, GQA, K != V, no gate, with and without the
+fused chunk backward, whole sequences; the same gradients as the Triton passes it replaces;
+where it can be forced; and that it compiles for sm_90a on the CPU."""
+import pytest
+import torch
+
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
+from flash_dma.runtime.config import overrides
+
+from .cases import (
+    FUSED_CASES, ON_SM90, assert_choice_keeps_gradients, assert_mma_not_serialised, check_against_reference,
+    compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
+)
+
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
+    **FUSED_CASES,
+    "V256-gqa": (1, 300, 1, 2, 128, 256, "g", True, torch.bfloat16, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role bwd_dhu runs on SM90 GPUs")
+@pytest.mark.parametrize("fused_backward", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_dhu_warp_roles(name, fused_backward):
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    if fused_backward and V not in (64, 128):
+        pytest.skip("the fused chunk backward takes V 64 or 128")
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    chosen = {"gdn_dhu_warp_roles": True, "gdn_fused_backward": fused_backward, "gdn_chunks_per_segment": 0}
+    with overrides(**chosen):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
+        assert plan.dhu_warp_roles_on() and plan.segment_chunks("bwd_dhu") is None
+        poison_allocator(B * T * HV * max(K, V), dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role bwd_dhu runs on SM90 GPUs")
+@pytest.mark.parametrize("name", ["g-h0-K128", "no-gate-gqa-K64", "varlen-empty-single"])
+def test_gpu_dhu_warp_roles_matches_triton_passes(name):
+    """The warp-role kernel and the Triton passes it replaces (local_dv, the recompute of w,
+    bwd_dhu) give the same gradients."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    torch.manual_seed(1)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    with overrides(gdn_chunks_per_segment=0):
+        assert_choice_keeps_gradients(inputs, dtype, kwargs, "gdn_dhu_warp_roles", 1e-2,
+                                      "the warp-role bwd_dhu and the Triton passes")
+
+
+def test_dhu_warp_roles_forced_where_it_cannot_run():
+    """Off where the kernel cannot run; forced there, an error naming the choice."""
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        assert plan_call(q, q, True, False, layout).dhu_warp_roles.value is False
+        with overrides(gdn_dhu_warp_roles=True), pytest.raises(ValueError, match="gdn_dhu_warp_roles=True"):
+            plan_call(q, q, True, False, layout)
+    with overrides(gdn_dhu_warp_roles=False):
+        assert plan_call(q, q, True, False, layout).dhu_warp_roles.value is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role bwd_dhu runs on SM90 GPUs")
+def test_gpu_dhu_warp_roles_refuses_a_cut():
+    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device="cuda")
+    with overrides(gdn_dhu_warp_roles=True, gdn_chunks_per_segment=8), \
+            pytest.raises(ValueError, match="not cut into segments"):
+        plan_call(q, q, True, False, chunk_layout(1, 4096, None))
+
+
+@pytest.mark.parametrize("K, has_g, varlen", [(128, True, False), (64, False, True)])
+def test_dhu_warp_roles_compiles_for_sm90(K, has_g, varlen):
+    """The kernel compiles for sm_90a without a GPU, within shared memory and without
+    serialised warpgroup MMAs."""
+    pointers = {"q": "*bf16", "k": "*bf16", "do": "*bf16", "ai": "*bf16", "beta": "*bf16", "g_cum": "*fp32",
+                "dht": "*fp32", "dh": "*bf16", "dh0": "*fp32", "dv2": "*bf16", "cu_seqlens": "*i32",
+                "chunk_offsets": "*i32"}
+    constants = {"HQ": 2, "HV": 4, "K": K, "V": 128, "STAGES": 2, "HAS_G": has_g, "HAS_DHT": True,
+                 "STORE_DH0": True, "IS_VARLEN": varlen}
+    compiled = compile_for_sm90("flash_dma.ops.gated_delta_rule.gluon.bwd_dhu_ws.gdn_bwd_dhu_ws_kernel", pointers,
+                                {"T": "i32", "scale": "fp32"}, constants, {"num_warps": 4, "maxnreg": 144})
+    assert compiled["cubin"], "no cubin"
+    assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
+    assert_mma_not_serialised(compiled)
