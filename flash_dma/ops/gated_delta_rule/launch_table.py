@@ -252,10 +252,13 @@ def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device
 DHU_FOLDS_BY_DEFAULT = False
 
 
-# bwd_dhu with warp roles (gluon/bwd_dhu_ws.py), forming the intra-chunk dv and w off its chain:
-# off until measured on the GPU (its first form without the folds, 2026-11-26: 0.45x the Triton
-# kernel at 32 programs, 0.96-1.00x from about a wave of 64-wide tiles).
-DHU_WARP_ROLES_MIN_TILES_PER_SM = None
+# bwd_dhu with warp roles (gluon/bwd_dhu_ws.py), forming the intra-chunk dv and w off its chain,
+# against the Triton local_dv, recompute of w and bwd_dhu it replaces (bench/gdn_dhu_warp_roles.py,
+# H200, public backward ms off / on): B4 T4096 H16 (128 tiles of 64) 0.829 / 0.770, B8 T4096 H32
+# (1024) 2.952 / 2.871, 20 packed sequences at H16 (640) 1.695 / 1.655; below a wave it loses
+# (B2 T8192 H16, 64 tiles: 0.901 / 1.115; B1 T8192 H16, 32: 0.632 / 0.908): one 64-wide chain
+# a program where the Triton kernel spreads each chain over narrower tiles.
+DHU_WARP_ROLES_MIN_TILES_PER_SM = 0.9
 
 
 def dhu_warp_roles_fit(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:

@@ -91,3 +91,19 @@ def test_dhu_warp_roles_compiles_for_sm90(K, has_g, varlen):
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
     assert_mma_not_serialised(compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role bwd_dhu runs on SM90 GPUs")
+def test_gpu_dhu_warp_roles_rule_by_programs():
+    """From about a wave of (chain, V tile) programs of 64 columns; fewer: the Triton passes."""
+    from flash_dma.ops.gated_delta_rule import launch_table
+    dev = torch.device("cuda")
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert launch_table.dhu_warp_roles_rule(128, sm, dev)
+    assert launch_table.dhu_warp_roles_rule(128, sm // 2, dev)
+    assert not launch_table.dhu_warp_roles_rule(128, sm // 4, dev)
+    q = torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device=dev)
+    assert plan_call(q, q, True, False, chunk_layout(4, 4096, None)).dhu_warp_roles.value is True
+    q = torch.empty(1, 8192, 16, 128, dtype=torch.bfloat16, device=dev)
+    assert plan_call(q, q, True, False, chunk_layout(1, 8192, None)).dhu_warp_roles.value is False
