@@ -255,9 +255,10 @@ DHU_FOLDS_BY_DEFAULT = False
 # bwd_dhu with warp roles (gluon/bwd_dhu_ws.py), forming the intra-chunk dv and w off its chain,
 # against the Triton local_dv, recompute of w and bwd_dhu it replaces (bench/gdn_dhu_warp_roles.py,
 # H200, public backward ms off / on): B4 T4096 H16 (128 tiles of 64) 0.829 / 0.770, B8 T4096 H32
-# (1024) 2.952 / 2.871, 20 packed sequences at H16 (640) 1.695 / 1.655; below a wave it loses
-# (B2 T8192 H16, 64 tiles: 0.901 / 1.115; B1 T8192 H16, 32: 0.632 / 0.908): one 64-wide chain
-# a program where the Triton kernel spreads each chain over narrower tiles.
+# (1024) 2.952 / 2.871, 20 packed sequences at H16 (640) 1.695 / 1.655; H100: 0.979 / 0.797,
+# 3.346 / 3.011, 1.909 / 1.675. Below a wave it loses (B2 T8192 H16, 64 tiles: H200 0.901 / 1.115,
+# H100 0.990 / 1.193; B1 T8192 H16, 32: 0.632 / 0.908, 0.613 / 0.916): one 64-wide chain a
+# program where the Triton kernel spreads each chain over narrower tiles.
 DHU_WARP_ROLES_MIN_TILES_PER_SM = 0.9
 
 
