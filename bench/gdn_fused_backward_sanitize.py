@@ -1,10 +1,13 @@
-"""The gated delta rule's fused SM90 chunk backward (gluon/backward_chunk.py) on small cases, for
-compute-sanitizer (memcheck, racecheck): varlen with empty and single-token sequences, GQA,
-K = V = 64, V != K, a lone partial chunk. Each case's gradients are checked against the Triton
-passes (a sanitizer run that computes garbage is not a clean run); one line per case.
+"""The gated delta rule's SM90 backward kernels on small cases, for compute-sanitizer (memcheck,
+racecheck): the fused chunk backward (gluon/backward_chunk.py, --choice gdn_fused_backward, the
+default) or the warp-role bwd_dhu (gluon/bwd_dhu_ws.py, --choice gdn_dhu_warp_roles); varlen with
+empty and single-token sequences, GQA, K = V = 64, V != K, a lone partial chunk. Each case's
+gradients are checked against the Triton passes (a sanitizer run that computes garbage is not a
+clean run); one line per case.
 
     compute-sanitizer --tool memcheck --kernel-name kns=gdn_bwd_chunk python bench/gdn_fused_backward_sanitize.py
-    compute-sanitizer --tool racecheck --kernel-name kns=gdn_bwd_chunk python bench/gdn_fused_backward_sanitize.py
+    compute-sanitizer --tool racecheck --kernel-name kns=gdn_bwd_dhu_ws python bench/gdn_fused_backward_sanitize.py \
+        --choice gdn_dhu_warp_roles
 """
 import os
 import sys
@@ -24,7 +27,7 @@ CASES = [  # K, V, HQ, HV, varlen lengths or (B, T)
 ]
 
 
-def grads(case, fused):
+def grads(case, choice, on):
     K, V, HQ, HV, shape = case
     lengths = shape if isinstance(shape, list) else None
     B, T = (1, sum(lengths)) if lengths else shape
@@ -41,16 +44,17 @@ def grads(case, fused):
         t.requires_grad_()
     cu = None if lengths is None else torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda",
                                                    dtype=torch.int32)
-    with overrides(gdn_fused_backward=fused):
+    with overrides(**{choice: on}):
         o, final = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
                                           initial_state=leaves["h0"], output_final_state=True, cu_seqlens=cu)
         return torch.autograd.grad([o, final], list(leaves.values()), [randn(*o.shape).bfloat16(), randn(*final.shape)])
 
 
 def main() -> int:
+    choice = sys.argv[sys.argv.index("--choice") + 1] if "--choice" in sys.argv else "gdn_fused_backward"
     bad = 0
     for case in CASES:
-        fused, triton_passes = grads(case, True), grads(case, False)
+        fused, triton_passes = grads(case, choice, True), grads(case, choice, False)
         torch.cuda.synchronize()
         err = max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
                   for a, b in zip(fused, triton_passes))
