@@ -30,7 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
-from .common import CHUNK, LOG2E, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, sequence_of_program, start_state, state_offsets
+from .common import (
+    CHUNK, LOG2E, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, one_warpgroup_accumulator, register_a_operand,
+    sequence_of_program, start_state, state_offsets
+)
 
 BV = gl.constexpr(64)
 HELPER_REGS = gl.constexpr(168)
@@ -64,12 +67,10 @@ def _chain(dht, dh0, g_cum, cu_seqlens, T, scale, v_start, q_ring, k_ring, do_ri
     """The state gradient's warpgroup (module docstring)."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     dt: gl.constexpr = k_ring.dtype
-    state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, K, 16])
-    chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, CHUNK, 16])
-    a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
-    a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
+    state_acc: gl.constexpr = one_warpgroup_accumulator(K)
+    chunk_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
+    a_for_chunk: gl.constexpr = register_a_operand(chunk_acc)
+    a_for_state: gl.constexpr = register_a_operand(state_acc)
     state = start_state(dht, seq_hv, v_start, V, BV, K, state_acc, HAS_DHT)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     # the gate at each chunk's last row is loaded a step ahead (a load at use sits on the chain)
@@ -121,10 +122,8 @@ def _form_inputs(it, num_chunks, bos, seq_len, scale, q_ring, k_ring, do_ring, t
     buf = it % 2
     phase = (it // 2) & 1
     dt: gl.constexpr = q_ring.dtype
-    pair_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, CHUNK, 16])
-    key_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, K, 16])
+    pair_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
+    key_acc: gl.constexpr = one_warpgroup_accumulator(K)
     key_rows: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (K // 8), K // 8], [4, 1], [1, 0])
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
     s = warpgroup_mma(q_ring.index(slot), k_ring.index(slot).permute((1, 0)),

@@ -11,6 +11,18 @@ CHUNK = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+@gluon.constexpr_function
+def one_warpgroup_accumulator(columns):
+    """The register layout of a one-warpgroup MMA's fp32 accumulator, 64 rows by `columns`."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def register_a_operand(accumulator):
+    """The register layout of a 16-bit A operand of an MMA into `accumulator`."""
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator, k_width=2)
+
+
 @gluon.jit
 def exp2_ftz(x):
     """2^x on the MUFU unit alone (denormal results flushed to zero)."""

@@ -19,8 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
-    hand_off, start_state, state_offsets, store_output
+    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, last_gate, one_warpgroup_accumulator,
+    output_buffers, register_a_operand, sequence_of_program, start_state, state_offsets, store_output
 )
 
 BV = gl.constexpr(64)
@@ -35,12 +35,10 @@ def _chain(h0, ht, g_cum, cu_seqlens, order, T, v_start,
     vn^T = x^T T^T, h^T = e^(B_last) h^T + (vn^T e^(B_last - B)) k; hands h^T and vn^T on."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     dt: gl.constexpr = k_ring.dtype
-    state_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, K, 16])
-    chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, CHUNK, 16])
-    a_for_chunk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=chunk_acc, k_width=2)
-    a_for_state: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_acc, k_width=2)
+    state_acc: gl.constexpr = one_warpgroup_accumulator(K)
+    chunk_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
+    a_for_chunk: gl.constexpr = register_a_operand(chunk_acc)
+    a_for_state: gl.constexpr = register_a_operand(state_acc)
     state = start_state(h0, seq_hv, v_start, V, BV, K, state_acc, HAS_H0)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     # the gate at the next chunk's last row is loaded a chunk ahead (a load at use would sit on the chain)
@@ -94,8 +92,7 @@ def _output(o, cu_seqlens, order, T, scale, v_start,
     o^T = scale (h^T q^T) e^B + vn^T P^T, stored per chunk."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     dt: gl.constexpr = q_ring.dtype
-    chunk_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, CHUNK, 16])
+    chunk_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
     cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_acc))
     p_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_acc))
     log2_scale = gl.log2(scale)
