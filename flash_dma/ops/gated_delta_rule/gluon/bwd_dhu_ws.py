@@ -32,7 +32,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
     CHUNK, LOG2E, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, one_warpgroup_accumulator, register_a_operand,
-    sequence_of_program, start_state, state_offsets
+    sequence_of_program, start_state, store_state
 )
 
 BV = gl.constexpr(64)
@@ -108,8 +108,7 @@ def _chain(dht, dh0, g_cum, cu_seqlens, T, scale, v_start, q_ring, k_ring, do_ri
         mbarrier.arrive(w_free.index(buf))
         last = last_next
     if STORE_DH0:
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        gl.store(dh0 + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
+        store_state(dh0, state, seq_hv, v_start, V, BV, K, state_acc)
 
 
 @gluon.jit

@@ -162,6 +162,15 @@ def start_state(base, seq_hv, v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.
 
 
 @gluon.jit
+def store_state(base, state, seq_hv, v_start, V: gl.constexpr, BV: gl.constexpr, K: gl.constexpr,
+                layout: gl.constexpr):
+    """A chain's h^T (or D^T) [BV, K] fp32 in `layout` into a [.., K, V] state at index seq_hv of
+    `base` (the final state, dh0)."""
+    s_offs, s_mask = state_offsets(v_start, V, BV, K, layout)
+    gl.store(base + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
+
+
+@gluon.jit
 def hand_off(bufs, value, ready, free, index, phase):
     """One partition's value for another through double-buffered shared memory: wait until
     buffer `index` is free (the reader's arrival of two uses ago), store, make the store visible

@@ -29,7 +29,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
     CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, last_gate, output_buffers, sequence_of_program,
-    start_state, state_offsets, store_output
+    start_state, store_state, store_output
 )
 
 
@@ -134,8 +134,7 @@ def gdn_fwd_fused_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order,
     async_copy.wait_group(0)
     if STORE_HT:
         # offsets formed again here: kept from the start they would hold registers through the loop
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        gl.store(ht + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
+        store_state(ht, state, seq_hv, v_start, V, BV, K, state_acc)
 
 
 def forward_fused(layout, q, k, v, beta, ai, g_cum, h0, store_final: bool, scale: float, block_v: int,

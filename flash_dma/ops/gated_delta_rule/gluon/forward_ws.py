@@ -20,7 +20,7 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
     CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, last_gate, one_warpgroup_accumulator,
-    output_buffers, register_a_operand, sequence_of_program, start_state, state_offsets, store_output
+    output_buffers, register_a_operand, sequence_of_program, start_state, store_state, store_output
 )
 
 BV = gl.constexpr(64)
@@ -80,8 +80,7 @@ def _chain(h0, ht, g_cum, cu_seqlens, order, T, v_start,
         mbarrier.arrive(free.index(slot))
         b2_last = b2_last_next
     if STORE_HT:
-        s_offs, s_mask = state_offsets(v_start, V, BV, K, state_acc)
-        gl.store(ht + seq_hv.to(gl.int64) * K * V + s_offs, state, mask=s_mask)
+        store_state(ht, state, seq_hv, v_start, V, BV, K, state_acc)
 
 
 @gluon.jit
