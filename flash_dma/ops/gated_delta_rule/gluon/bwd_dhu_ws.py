@@ -25,13 +25,13 @@ Barriers (mbarriers, one arrive each unless said):
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, LOG2E, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, one_warpgroup_accumulator, register_a_operand,
+    CHUNK, LOG2E, exp2_ftz, fill_ring_slot, hand_off, one_warpgroup_accumulator, register_a_operand,
     sequence_of_program, start_state, store_state
 )
 
@@ -201,24 +201,14 @@ def _helper(dh, dv2, cu_seqlens, chunk_offsets, T, scale, v_start, q_ring, k_rin
 def _loader(q, k, do, ai, g_cum, beta, cu_seqlens, T, v_start, q_ring, k_ring, do_ring, t_ring, g_rows, beta_rows,
             ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
             STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The load warpgroup: cp.async of each chunk's q, k, do (this V tile) and T, rows past the
-    sequence zero-filled, arriving on the slot's ready barrier; the gate (log2 units) and beta
-    rows in fp32 beside them, published by one more arrival."""
+    """The load warpgroup: each chunk's q, k, do (this V tile) and T tiles and gate and beta rows
+    into the ring (common.fill_ring_slot), last to first."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     head = hv // (HV // HQ)
     row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for it in range(0, num_chunks):
-        c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
-        slot = it % STAGES
-        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, row_idx, HAS_G)  # in flight through the wait
-        mbarrier.wait(free.index(slot), ((it // STAGES) & 1) ^ 1)
-        copy_chunk_tiles(q, k, do, ai, q_ring.index(slot), k_ring.index(slot), do_ring.index(slot),
-                         t_ring.index(slot), tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, 4)
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-        g_rows.index(slot).store(b2)
-        beta_rows.index(slot).store(b_beta)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot))
+        fill_ring_slot(q, k, do, ai, g_cum, beta, q_ring, k_ring, do_ring, t_ring, g_rows, beta_rows, ready, free, it,
+                       num_chunks - 1 - it, bos, seq_len, head, hv, v_start, row_idx, HQ, HV, K, V, BV, STAGES, HAS_G)
 
 
 @gluon.jit(do_not_specialize=["T"])

@@ -77,6 +77,30 @@ def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid,
 
 
 @gluon.jit
+def fill_ring_slot(q, k, x, ai, g_cum, beta, q_ring, k_ring, x_ring, t_ring, g_rows, beta_rows, ready, free, step,
+                   chunk, bos, seq_len, head, hv, v_start, row_idx, HQ: gl.constexpr, HV: gl.constexpr,
+                   K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, HAS_G: gl.constexpr):
+    """A load warpgroup's step: once slot step % STAGES is free, cp.async of chunk `chunk`'s q, k
+    (q/k head `head`), x (v or do: value head hv, columns v_start..+BV) and T into it, rows past
+    the sequence zero-filled, each thread's copies arriving on the slot's ready barrier as they
+    land; the chunk's gate cumsums (log2 units) and beta into the slot's rows in fp32 (plain
+    loads and stores: beta's 2-byte elements are too small for cp.async), published by one more
+    arrival."""
+    slot = step % STAGES
+    tok0 = bos + chunk * CHUNK
+    n_valid = gl.minimum(seq_len - chunk * CHUNK, CHUNK)
+    b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, row_idx, HAS_G)  # in flight through the wait
+    mbarrier.wait(free.index(slot), ((step // STAGES) & 1) ^ 1)
+    copy_chunk_tiles(q, k, x, ai, q_ring.index(slot), k_ring.index(slot), x_ring.index(slot), t_ring.index(slot),
+                     tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, 4)
+    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+    g_rows.index(slot).store(b2)
+    beta_rows.index(slot).store(b_beta)
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(slot))
+
+
+@gluon.jit
 def gate_rows(g_cum, beta, tok0, n_valid, hv, HV: gl.constexpr, idx, HAS_G: gl.constexpr):
     """A chunk's gate cumsums in log2 units and its beta, fp32, at positions idx (zero from
     n_valid on)."""

@@ -13,13 +13,13 @@ Barriers (mbarriers, one arrive each unless said):
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, allocate_ring, copy_chunk_tiles, exp2_ftz, gate_rows, hand_off, last_gate, one_warpgroup_accumulator,
+    CHUNK, allocate_ring, exp2_ftz, fill_ring_slot, hand_off, last_gate, one_warpgroup_accumulator,
     output_buffers, register_a_operand, sequence_of_program, start_state, store_state, store_output
 )
 
@@ -131,27 +131,14 @@ def _output(o, cu_seqlens, order, T, scale, v_start,
 def _loader(q, k, v, ai, g_cum, beta, cu_seqlens, order, T, v_start, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows,
             ready, free, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
             STAGES: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The load warpgroup: cp.async of each chunk's q, k (per q/k head), v and T (per value
-    head) into the ring, rows past the sequence zero-filled; each thread's copies arrive on the
-    slot's ready barrier as they land; the chunk's gate cumsums (log2 units) and beta go to the
-    slot's rows in fp32 (plain loads and stores: beta's 2-byte elements are too small for
-    cp.async), published by one more arrival."""
+    """The load warpgroup: each chunk's q, k, v and T tiles and gate and beta rows into the ring
+    (common.fill_ring_slot), first to last."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN, order)
     head = hv // (HV // HQ)
     row_idx = gl.arange(0, CHUNK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for c in range(0, num_chunks):
-        slot = c % STAGES
-        tok0 = bos + c * CHUNK
-        n_valid = gl.minimum(seq_len - c * CHUNK, CHUNK)
-        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, row_idx, HAS_G)  # in flight through the wait
-        mbarrier.wait(free.index(slot), ((c // STAGES) & 1) ^ 1)
-        copy_chunk_tiles(q, k, v, ai, q_ring.index(slot), k_ring.index(slot), v_ring.index(slot), t_ring.index(slot),
-                         tok0, n_valid, head, hv, v_start, HQ, HV, K, V, BV, 4)
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-        g_rows.index(slot).store(b2)
-        beta_rows.index(slot).store(b_beta)
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot))
+        fill_ring_slot(q, k, v, ai, g_cum, beta, q_ring, k_ring, v_ring, t_ring, g_rows, beta_rows, ready, free, c, c,
+                       bos, seq_len, head, hv, v_start, row_idx, HQ, HV, K, V, BV, STAGES, HAS_G)
 
 
 @gluon.jit(do_not_specialize=["T"])
