@@ -114,6 +114,9 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     dhu_warp_roles = ai is not None and plan.dhu_warp_roles_on()  # bwd_dhu forms dv_local and w itself
+    fused_chunk = plan.fused_backward_on()
+    # the Gluon kernels take do as a 16-bit MMA operand (a copy only where it is not one)
+    do_mma = do.to(q.dtype) if dhu_warp_roles or fused_chunk else None
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
@@ -131,8 +134,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     if dhu_warp_roles:
         from .gluon.bwd_dhu_ws import bwd_dhu_ws
         dv_local = None
-        dh, dh0, dv2 = bwd_dhu_ws(layout, q, k, ai, beta, do.to(q.dtype), g_cum, dht, initial_state is not None,
-                                  scale, v.dtype)
+        dh, dh0, dv2 = bwd_dhu_ws(layout, q, k, ai, beta, do_mma, g_cum, dht, initial_state is not None, scale,
+                                  v.dtype)
     else:
         fold_dv = plan.dhu_local_dv_on()
         dv_local = None if fold_dv else ops.output.local_dv(plan, layout, q, k, g_cum, gk_cum, aqk, do, scale,
@@ -145,9 +148,9 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     # what the passes below do not read is freed before they allocate (peak memory)
     del segments, w, u
     del k_gated, q_gated, dv_local
-    if plan.fused_backward_on():
+    if fused_chunk:
         from .gluon.backward_chunk import bwd_chunk
-        dq, dk, dv, dbeta, dg = bwd_chunk(layout, q, k, v, v_new, h, dh, do.to(q.dtype), dv2, ai, g_cum, beta, scale)
+        dq, dk, dv, dbeta, dg = bwd_chunk(layout, q, k, v, v_new, h, dh, do_mma, dv2, ai, g_cum, beta, scale)
         return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
     grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
     del h, dh, v_new

@@ -271,7 +271,5 @@ def dhu_warp_roles_fit(K: int, V: int, dtype: torch.dtype, has_gk: bool, device:
 
 def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:
     """Where the fitting warp-role bwd_dhu is chosen: from DHU_WARP_ROLES_MIN_TILES_PER_SM (chain,
-    V tile) programs a SM (None: nowhere)."""
-    if DHU_WARP_ROLES_MIN_TILES_PER_SM is None:
-        return False
+    V tile) programs a SM."""
     return chains * (V // 64) >= DHU_WARP_ROLES_MIN_TILES_PER_SM * device_info(device).sm_count
