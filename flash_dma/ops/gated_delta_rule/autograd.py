@@ -113,14 +113,16 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
-    dhu_warp_roles = ai is not None and plan.dhu_warp_roles_on()  # bwd_dhu forms dv_local and w itself
-    fused_chunk = plan.fused_backward_on()
+    # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
+    warp_roles = ai is not None and plan.backward_warp_roles_on()
+    dhu_warp_roles = not warp_roles and ai is not None and plan.dhu_warp_roles_on()  # forms dv_local and w itself
+    fused_chunk = not warp_roles and plan.fused_backward_on()
     # the Gluon kernels take do as a 16-bit MMA operand (a copy only where it is not one)
-    do_mma = do.to(q.dtype) if dhu_warp_roles or fused_chunk else None
+    do_mma = do.to(q.dtype) if warp_roles or dhu_warp_roles or fused_chunk else None
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
-    elif (dhu_warp_roles and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
+    elif ((warp_roles or dhu_warp_roles) and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
         # the state pass forms v_new from T and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
@@ -131,6 +133,12 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     # u None: the state pass forms v_new from T (w is still bwd_dhu's)
     h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
                                                   g_cum, gk_cum, initial_state, store_final=False, known=segments)
+    if warp_roles:
+        from .gluon.backward_ws import bwd_sequential
+        del segments, w, u
+        dq, dk, dv, dbeta, dg, dh0 = bwd_sequential(layout, q, k, v, v_new, h, do_mma, ai, g_cum, beta, dht,
+                                                    initial_state is not None, scale)
+        return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
     if dhu_warp_roles:
         from .gluon.bwd_dhu_ws import bwd_dhu_ws
         dv_local = None
@@ -269,7 +277,8 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
                plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value, plan.fused_forward.value,
-               plan.longest_first.value, plan.fused_backward.value)
+               plan.longest_first.value, plan.fused_backward.value, plan.dhu_warp_roles.value,
+               plan.backward_warp_roles.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
            layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)

@@ -253,7 +253,7 @@ DHU_FOLDS_BY_DEFAULT = False
 
 
 # bwd_dhu with warp roles (gluon/bwd_dhu_ws.py), forming the intra-chunk dv and w off its chain,
-# against the Triton local_dv, recompute of w and bwd_dhu it replaces (bench/gdn_dhu_warp_roles.py,
+# against the Triton local_dv, recompute of w and bwd_dhu it replaces (bench/gdn_backward_forms.py,
 # H200, public backward ms off / on): B4 T4096 H16 (128 tiles of 64) 0.829 / 0.770, B8 T4096 H32
 # (1024) 2.952 / 2.871, 20 packed sequences at H16 (640) 1.695 / 1.655; H100: 0.979 / 0.797,
 # 3.346 / 3.011, 1.909 / 1.675. Below a wave it loses (B2 T8192 H16, 64 tiles: H200 0.901 / 1.115,

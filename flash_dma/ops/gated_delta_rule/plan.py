@@ -26,7 +26,10 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              the backward does not recompute w (scalar gate or none);
   gdn_dhu_warp_roles         bwd_dhu as one SM90 kernel with warp roles (gluon/bwd_dhu_ws.py) that
                              forms the intra-chunk dv and w itself off its chain: no local_dv pass
-                             and no recompute of w.
+                             and no recompute of w;
+  gdn_backward_warp_roles    the whole backward after the state pass as one SM90 kernel with warp
+                             roles (gluon/backward_ws.py): bwd_dhu, its intra-chunk dv and the
+                             chunk gradients fused, one program per sequence x value head.
 Launch configurations come from launch_table.choose (overridden with gdn_<pass>=GdnConfig(...)).
 
 `plan.launch(pass)` hands a pass its configuration and, with FLASH_DMA_PROFILE=1, logs the
@@ -74,6 +77,9 @@ declare_choice("gdn_dhu_w_from_t", None, (True, False),
 declare_choice("gdn_dhu_warp_roles", None, (True, False),
                "bwd_dhu with warp roles on Hopper, forming the intra-chunk dv and w itself (default: "
                "launch_table's rule)")
+declare_choice("gdn_backward_warp_roles", None, (True, False),
+               "the backward after the state pass as one Hopper kernel with warp roles (default: launch_table's "
+               "rule)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -104,6 +110,7 @@ class DeltaRulePlan:
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
     dhu_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/bwd_dhu_ws.py (forms dv_local and w itself)
+    backward_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/backward_ws.py (bwd_dhu + chunk backward)
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -138,6 +145,14 @@ class DeltaRulePlan:
         on = bool(self.dhu_warp_roles.value)
         log_choice(OP, "bwd_dhu.warp_roles", "gluon" if on else self.backend, self.info, self.shape,
                    "warp_roles block_v=64" if on else "off", self.dhu_warp_roles.source)
+        return on
+
+    def backward_warp_roles_on(self) -> bool:
+        """Whether the backward after the state pass runs as the one warp-role Gluon kernel
+        (bwd_dhu, the intra-chunk dv and the chunk gradients); logged like a launch."""
+        on = bool(self.backward_warp_roles.value)
+        log_choice(OP, "backward.warp_roles", "gluon" if on else self.backend, self.info, self.shape,
+                   "warp_roles warps=12" if on else "off", self.backward_warp_roles.source)
         return on
 
     def dhu_local_dv_on(self) -> bool:
@@ -322,7 +337,26 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value),
                          dhu_warp_roles=_dhu_warp_roles(K, V, dhu_chains, dtype, has_gk, keep, dhu_segments.value,
-                                                        device))
+                                                        device),
+                         backward_warp_roles=_backward_warp_roles(K, V, pairs, dtype, has_gk, keep,
+                                                                  dhu_segments.value, device))
+
+
+def _backward_warp_roles(K: int, V: int, pairs: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
+                         device) -> Chosen:
+    """Whether the backward after the state pass is the one warp-role kernel
+    (gluon/backward_ws.py): launch_table's rule, or the override; a forced form the call cannot
+    take is an error, not a silent fallback."""
+    chosen = choice("gdn_backward_warp_roles")
+    fits = keep and cut is None and launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
+    if chosen.value is None:
+        return Chosen(fits and launch_table.backward_warp_roles_rule(pairs, device), "rule")
+    if chosen.value and not fits:
+        raise ValueError(
+            f"gdn_backward_warp_roles=True: the warp-role backward needs an SM90 GPU, no gk, K and V 64 or 128, "
+            f"16-bit inputs, T kept by the forward and bwd_dhu not cut into segments; got device {device}, gk "
+            f"{has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
+    return chosen
 
 
 def _dhu_warp_roles(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
@@ -447,7 +481,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
                  "dhu_chunks_per_segment", "fused_forward", "longest_first",
                  "fused_backward", "dhu_local_dv",
-                 "dhu_w_from_t", "dhu_warp_roles"):
+                 "dhu_w_from_t", "dhu_warp_roles", "backward_warp_roles"):
         chosen = getattr(plan, name)
         lines.append(f"{name}: {chosen.value} ({chosen.source})")
     for pass_name, chosen in plan.launches.items():

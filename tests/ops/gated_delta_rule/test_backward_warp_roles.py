@@ -1,0 +1,94 @@
+"""The backward after the state pass as one warp-role kernel (gluon/backward_ws.py,
+`gdn_backward_warp_roles`: bwd_dhu, its intra-chunk dv and the chunk gradients fused): every
+gradient of the op against the fp64 reference, fixed lengths and varlen with empty and
+single-token sequences, GQA, K != V, K = V = 64, no gate, fp16, one chunk and a lone partial
+chunk; the same gradients as the passes it replaces; where it can be forced; and that it compiles
+for sm_90a on the CPU."""
+import pytest
+import torch
+
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
+from flash_dma.runtime.config import overrides
+
+from .cases import (
+    FUSED_CASES, ON_SM90, assert_choice_keeps_gradients, assert_mma_not_serialised, check_against_reference,
+    compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
+)
+
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
+    **FUSED_CASES,
+    "K128-V64-gqa": (1, 300, 1, 2, 128, 64, "g", True, torch.bfloat16, None),
+    "varlen-many-short": (1, 900, 2, 2, 128, 128, "none", True, torch.bfloat16, [64, 1, 63, 0, 129, 643]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_backward_warp_roles(name):
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    with overrides(gdn_backward_warp_roles=True, gdn_chunks_per_segment=0):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
+        assert plan.backward_warp_roles_on() and plan.segment_chunks("bwd_dhu") is None
+        poison_allocator(B * T * HV * max(K, V), dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
+@pytest.mark.parametrize("name", ["g-h0-K128", "no-gate-gqa-K64", "varlen-empty-single", "K64-V64"])
+def test_gpu_backward_warp_roles_matches_passes(name):
+    """The warp-role kernel and the passes it replaces (local_dv, bwd_dhu, the chunk backward)
+    give the same gradients."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
+    torch.manual_seed(1)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    with overrides(gdn_chunks_per_segment=0):
+        assert_choice_keeps_gradients(inputs, dtype, kwargs, "gdn_backward_warp_roles", 1e-2,
+                                      "the warp-role backward and the passes")
+
+
+def test_backward_warp_roles_forced_where_it_cannot_run():
+    """Off where the kernel cannot run; forced there, an error naming the choice."""
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        assert plan_call(q, q, True, False, layout).backward_warp_roles.value is False
+        with overrides(gdn_backward_warp_roles=True), pytest.raises(ValueError, match="gdn_backward_warp_roles=True"):
+            plan_call(q, q, True, False, layout)
+    with overrides(gdn_backward_warp_roles=False):
+        assert plan_call(q, q, True, False, layout).backward_warp_roles.value is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
+def test_gpu_backward_warp_roles_refuses_a_cut():
+    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device="cuda")
+    with overrides(gdn_backward_warp_roles=True, gdn_chunks_per_segment=8), \
+            pytest.raises(ValueError, match="not cut into segments"):
+        plan_call(q, q, True, False, chunk_layout(1, 4096, None))
+
+
+@pytest.mark.parametrize("K, has_g, varlen, gqa", [(128, True, False, False), (128, True, True, True),
+                                                   (64, False, True, False)])
+def test_backward_warp_roles_compiles_for_sm90(K, has_g, varlen, gqa):
+    """The kernel compiles for sm_90a without a GPU, within shared memory and without
+    serialised warpgroup MMAs."""
+    grad = "*fp32" if gqa else "*bf16"
+    pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "v_new": "*bf16", "h": "*bf16", "do": "*bf16",
+                "ai": "*bf16", "g_cum": "*fp32", "beta": "*bf16", "dht": "*fp32", "dq": grad, "dk": grad,
+                "dv": "*bf16", "dbeta": "*fp32", "dg": "*fp32", "dh0": "*fp32", "cu_seqlens": "*i32",
+                "chunk_offsets": "*i32"}
+    constants = {"HQ": 2 if gqa else 4, "HV": 4, "K": K, "V": K, "HAS_G": has_g, "HAS_DHT": True,
+                 "STORE_DH0": True, "IS_VARLEN": varlen}
+    compiled = compile_for_sm90("flash_dma.ops.gated_delta_rule.gluon.backward_ws.gdn_bwd_ws_kernel", pointers,
+                                {"T": "i32", "scale": "fp32"}, constants, {"num_warps": 8, "maxnreg": 168})
+    assert compiled["cubin"], "no cubin"
+    assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
+    assert_mma_not_serialised(compiled)
