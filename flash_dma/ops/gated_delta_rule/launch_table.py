@@ -273,3 +273,15 @@ def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:
     """Where the fitting warp-role bwd_dhu is chosen: from DHU_WARP_ROLES_MIN_TILES_PER_SM (chain,
     V tile) programs a SM."""
     return chains * (V // 64) >= DHU_WARP_ROLES_MIN_TILES_PER_SM * device_info(device).sm_count
+
+
+# The whole backward after the state pass as one warp-role kernel (gluon/backward_ws.py), one
+# program per sequence x value head: until its GPU sweep, chosen only by override.
+BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM = None
+
+
+def backward_warp_roles_rule(pairs: int, device: torch.device) -> bool:
+    """Where the fitting warp-role backward is chosen: from BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
+    (sequence x value head) programs a SM; never while that bound is unset."""
+    bound = BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
+    return bound is not None and pairs >= bound * device_info(device).sm_count

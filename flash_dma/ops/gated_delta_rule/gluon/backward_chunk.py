@@ -208,7 +208,7 @@ def issue_state_tiles(v, v_new, h, vn_s, h_s, v_s, tok0, n_valid, state_index, h
 
 @gluon.jit
 def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, phase,
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, phase, zero,
                     v, v_new, h, next_tok0, next_n_valid, next_state, has_next,
                     HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
                     SEQUENTIAL: gl.constexpr):
@@ -237,8 +237,10 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     value_rows: gl.constexpr = gl.SliceLayout(1, value_acc)
 
     # the chunk's rows: gate cumsums (log2 units) and beta
-    ri = gl.arange(0, CHUNK, layout=rows_of)
-    cj = gl.arange(0, CHUNK, layout=cols_of)
+    # + zero: in a loop over chunks an opaque 0, so that what derives from these indices (masks,
+    # offsets) is formed per chunk, not hoisted out of the loop into registers it cannot spare
+    ri = gl.arange(0, CHUNK, layout=rows_of) + zero
+    cj = gl.arange(0, CHUNK, layout=cols_of) + zero
     row_ok = ri < n_valid
     b_beta = gl.load(beta + (tok0 + ri) * HV + hv, mask=row_ok, other=0.0).to(gl.float32)
     if HAS_G:
@@ -425,7 +427,7 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s,
                  hv, hv // (HV // HQ), tok0, n_valid, chunk, HQ, HV, K, V, gl.num_warps())
     _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, None, 0,
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, None, 0, 0,
                     None, None, None, 0, 0, 0, False, HV, K, V, HAS_G, False)
 
 

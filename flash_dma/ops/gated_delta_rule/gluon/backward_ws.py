@@ -74,7 +74,7 @@ def _chunk_math(q, k, v, v_new, h, do, ai, dq, dk, dv, dbeta, dg, g_cum, beta, c
         q_s, k_s, t_s, dw_s, pair_s, dt_s = q_b.index(z), k_b.index(z), t_b.index(z), dw_b.index(z), pair_b.index(z), \
             dt_b.index(z)
         _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, it & 1,
+                        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, it & 1, z,
                         v, v_new, h, next_tok0, next_n_valid, (chunk0 + next_c) * HV + hv, has_next,
                         HV, K, V, HAS_G, True)
         # q, k and T read out by every warp; do, q, k and du by the state role's update
