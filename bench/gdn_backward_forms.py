@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
+from flash_dma.benchmarks.common import write_lines  # noqa: E402
 from flash_dma.benchmarks.gdn import VARLEN_SEED, varlen_lengths  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
@@ -92,12 +93,8 @@ def main():
         print(lines[-1], flush=True)
         del row, base
         torch.cuda.empty_cache()
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(ns.out, exist_ok=True)
-    tag = name.replace("NVIDIA ", "").replace(" ", "-")
-    with open(os.path.join(ns.out, f"gdn-backward-forms-{tag}-{datetime.date.today():%Y%m%d}.txt"), "w") as fh:
-        fh.write(text)
+    print("\n".join(lines))
+    write_lines(ns.out, "gdn-backward-forms", lines)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Shared cases of the gated delta rule tests: realistic inputs, the op and the fp64 reference
 side by side, error bounds, and the shapes the tests run."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, ON_GPU
 from helpers import TOLERANCE, rel_err
 from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 from flash_dma.ops.gated_delta_rule.reference import (bwd_dhu_reference, chunk_form_reference,
                                                       gated_delta_rule_reference)
@@ -83,6 +86,38 @@ def assert_choice_keeps_gradients(inputs, dtype, kwargs: dict, choice: str, boun
         with overrides(**{choice: on}):
             _, grads[on] = check_against_reference(inputs, dtype, **kwargs)
     assert_same_gradients(grads, bound, what)
+
+
+def assert_same_gradients_as(case: tuple, choice: str, what: str, seed: int = 1) -> None:
+    """A FUSED_CASES-style case (B, T, H, HV, K, V, gate, states, dtype, lengths): every gradient
+    with `choice` on equals the one with it off (whole sequences)."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = case
+    torch.manual_seed(seed)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    with overrides(gdn_chunks_per_segment=0):
+        assert_choice_keeps_gradients(inputs, dtype, kwargs, choice, 1e-2, what)
+
+
+def assert_choice_refused_where_it_cannot_run(choice: str, attribute: str) -> None:
+    """A Hopper-only boolean choice of the plan: off on this machine when it has no SM90 GPU, and
+    forced there, an error naming the choice; forced off, off everywhere."""
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    layout = chunk_layout(1, 128, None)
+    if not ON_SM90:
+        assert getattr(plan_call(q, q, True, False, layout), attribute).value is False
+        with overrides(**{choice: True}), pytest.raises(ValueError, match=f"{choice}=True"):
+            plan_call(q, q, True, False, layout)
+    with overrides(**{choice: False}):
+        assert getattr(plan_call(q, q, True, False, layout), attribute).value is False
+
+
+def assert_refuses_a_cut(choice: str) -> None:
+    """Forced on together with a sequence split of bwd_dhu: an error saying why (GPU only: off the
+    GPU the choice is refused for the device first)."""
+    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device="cuda")
+    with overrides(**{choice: True}, gdn_chunks_per_segment=8), pytest.raises(ValueError, match="not cut into segments"):
+        plan_call(q, q, True, False, chunk_layout(1, 4096, None))
 
 
 def cu_from_lengths(lengths, dtype=torch.int32):

@@ -11,8 +11,9 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, assert_choice_keeps_gradients, assert_mma_not_serialised, check_against_reference,
-    compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
+    FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_refuses_a_cut,
+    assert_same_gradients_as, check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs,
+    poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -47,34 +48,17 @@ def test_gpu_dhu_warp_roles(name, fused_backward):
 def test_gpu_dhu_warp_roles_matches_triton_passes(name):
     """The warp-role kernel and the Triton passes it replaces (local_dv, the recompute of w,
     bwd_dhu) give the same gradients."""
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    torch.manual_seed(1)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
-    with overrides(gdn_chunks_per_segment=0):
-        assert_choice_keeps_gradients(inputs, dtype, kwargs, "gdn_dhu_warp_roles", 1e-2,
-                                      "the warp-role bwd_dhu and the Triton passes")
+    assert_same_gradients_as(CASES[name], "gdn_dhu_warp_roles", "the warp-role bwd_dhu and the Triton passes")
 
 
 def test_dhu_warp_roles_forced_where_it_cannot_run():
-    """Off where the kernel cannot run; forced there, an error naming the choice."""
-    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
-    layout = chunk_layout(1, 128, None)
-    if not ON_SM90:
-        assert plan_call(q, q, True, False, layout).dhu_warp_roles.value is False
-        with overrides(gdn_dhu_warp_roles=True), pytest.raises(ValueError, match="gdn_dhu_warp_roles=True"):
-            plan_call(q, q, True, False, layout)
-    with overrides(gdn_dhu_warp_roles=False):
-        assert plan_call(q, q, True, False, layout).dhu_warp_roles.value is False
+    assert_choice_refused_where_it_cannot_run("gdn_dhu_warp_roles", "dhu_warp_roles")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the warp-role bwd_dhu runs on SM90 GPUs")
 def test_gpu_dhu_warp_roles_refuses_a_cut():
-    q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16, device="cuda")
-    with overrides(gdn_dhu_warp_roles=True, gdn_chunks_per_segment=8), \
-            pytest.raises(ValueError, match="not cut into segments"):
-        plan_call(q, q, True, False, chunk_layout(1, 4096, None))
+    assert_refuses_a_cut("gdn_dhu_warp_roles")
 
 
 @pytest.mark.parametrize("K, has_g, varlen", [(128, True, False), (64, False, True)])

@@ -13,9 +13,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, assert_choice_keeps_gradients, assert_mma_not_serialised, check_against_reference, compile_for_sm90,
-    cu_from_lengths,
-    make_inputs, poison_allocator
+    FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_same_gradients_as,
+    check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -52,12 +51,7 @@ def test_gpu_fused_backward(name, forward, split):
 def test_gpu_fused_backward_matches_triton_passes(name):
     """The fused kernel and the Triton passes it replaces give the same gradients (both against
     each other, tighter than either against fp64 would show)."""
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    torch.manual_seed(1)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
-    assert_choice_keeps_gradients(inputs, dtype, kwargs, "gdn_fused_backward", 1e-2,
-                                  "the fused kernel and the Triton passes")
+    assert_same_gradients_as(CASES[name], "gdn_fused_backward", "the fused kernel and the Triton passes")
 
 
 def test_fused_backward_rule():
@@ -65,14 +59,7 @@ def test_fused_backward_rule():
     error naming the choice."""
     cpu = torch.device("cpu")
     assert not launch_table.fused_backward_fits(128, 128, torch.bfloat16, False, cpu)
-    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
-    layout = chunk_layout(1, 128, None)
-    if not ON_SM90:
-        assert plan_call(q, q, True, False, layout).fused_backward.value is False
-        with overrides(gdn_fused_backward=True), pytest.raises(ValueError, match="gdn_fused_backward=True"):
-            plan_call(q, q, True, False, layout)
-    with overrides(gdn_fused_backward=False):
-        assert plan_call(q, q, True, False, layout).fused_backward.value is False
+    assert_choice_refused_where_it_cannot_run("gdn_fused_backward", "fused_backward")
 
 
 @pytest.mark.gpu
