@@ -18,7 +18,8 @@ waits for, which keeps them allocated until then (in straight-line code the comp
 ends a buffer's life at its last product's issue and may hand its memory to a layout
 conversion's scratch while the product still reads it). The loads are cp.async groups in the
 order of use: the state tiles' products start while q, k and T arrive. Row sums are few and
-late (each crosses the two warpgroups through shared memory).
+late (each crosses the two warpgroups through shared memory). The same chunk math, in its
+SEQUENTIAL form, is the chunk role of backward_ws.py's one-kernel backward.
 """
 import torch
 from triton.experimental import gluon
@@ -216,7 +217,7 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     SEQUENTIAL: the chunk math of backward_ws.py, which walks a sequence's chunks last to first:
     dh_s holds the state role's bf16 copy of D = dh[c], this function forms du = dv2 itself
     (before the math above), leaves scale e^B do in do_s and -beta e^B (T^T du) in du_s for the
-    state role's update of D, and arrives on `bars` (backward_ws.BAR_*, phase `phase`) as tiles
+    state role's update of D, and arrives on `bars` (the BAR_* above, phase `phase`) as they
     are consumed, and (has_next) issues the next chunk's h, v_new and v once they are read out
     (rows next_tok0.., state next_state); else bars is None and the tiles come from
     _issue_loads."""
