@@ -99,6 +99,21 @@ def assert_same_gradients_as(case: tuple, choice: str, what: str, seed: int = 1)
         assert_choice_keeps_gradients(inputs, dtype, kwargs, choice, 1e-2, what)
 
 
+def check_case_with_choices(case: tuple, chosen: dict, takes_it) -> None:
+    """A FUSED_CASES-style case run with the choices `chosen` forced: the plan takes them
+    (takes_it(plan) holds), and every output and gradient matches fp64, with a NaN block of an
+    output's size left in the allocator first (poison_allocator)."""
+    B, T, H, HV, K, V, gate, states, dtype, lengths = case
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    with overrides(**chosen):
+        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
+        assert takes_it(plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)), chosen
+        poison_allocator(B * T * HV * max(K, V), dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
 def assert_choice_refused_where_it_cannot_run(choice: str, attribute: str) -> None:
     """A Hopper-only boolean choice of the plan: off on this machine when it has no SM90 GPU, and
     forced there, an error naming the choice; forced off, off everywhere."""

@@ -7,14 +7,9 @@ for sm_90a on the CPU."""
 import pytest
 import torch
 
-from flash_dma.ops.gated_delta_rule.layout import chunk_layout
-from flash_dma.ops.gated_delta_rule.plan import plan_call
-from flash_dma.runtime.config import overrides
-
 from .cases import (
     FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_refuses_a_cut,
-    assert_same_gradients_as, check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs,
-    poison_allocator
+    assert_same_gradients_as, check_case_with_choices, compile_for_sm90
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -28,16 +23,8 @@ CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or No
 @pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_backward_warp_roles(name):
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
-    with overrides(gdn_backward_warp_roles=True, gdn_chunks_per_segment=0):
-        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
-        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.backward_warp_roles_on() and plan.segment_chunks("bwd_dhu") is None
-        poison_allocator(B * T * HV * max(K, V), dtype)
-        check_against_reference(inputs, dtype, **kwargs)
+    check_case_with_choices(CASES[name], {"gdn_backward_warp_roles": True, "gdn_chunks_per_segment": 0},
+                            lambda plan: plan.backward_warp_roles_on() and plan.segment_chunks("bwd_dhu") is None)
 
 
 @pytest.mark.gpu

@@ -8,13 +8,10 @@ import torch
 
 from conftest import DEVICE
 from flash_dma.ops.gated_delta_rule import launch_table
-from flash_dma.ops.gated_delta_rule.layout import chunk_layout
-from flash_dma.ops.gated_delta_rule.plan import plan_call
-from flash_dma.runtime.config import overrides
 
 from .cases import (
     FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_same_gradients_as,
-    check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
+    check_case_with_choices, compile_for_sm90
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -28,21 +25,13 @@ CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or No
 @pytest.mark.parametrize("forward, split", [(0, None), ("ws", None), (128, 3), (0, 1)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_fused_backward(name, forward, split):
-    B, T, H, HV, K, V, gate, states, dtype, lengths = CASES[name]
-    if forward == 128 and V % 128:
+    if forward == 128 and CASES[name][5] % 128:
         pytest.skip("V is not a multiple of the one-role forward's tile")
-    torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, gate, states, n_seqs=None if lengths is None else len(lengths))
-    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     chosen = {"gdn_fused_backward": True, "gdn_fused_forward": forward}
     if split is not None:
         chosen["gdn_chunks_per_segment"] = split
-    with overrides(**chosen):
-        layout = chunk_layout(B, T, kwargs.get("cu_seqlens"))
-        plan = plan_call(inputs["q"], inputs["v"], gate != "none", False, layout)
-        assert plan.fused_backward_on() and plan.segment_chunks() == split
-        poison_allocator(B * T * HV * max(K, V), dtype)
-        check_against_reference(inputs, dtype, **kwargs)
+    check_case_with_choices(CASES[name], chosen,
+                            lambda plan: plan.fused_backward_on() and plan.segment_chunks() == split)
 
 
 @pytest.mark.gpu

@@ -5,16 +5,16 @@ last to first; dh, dv2, dv_local and w never reach memory. Scalar gate or none; 
 
 Roles (gl.warp_specialize):
     chunk math (8 warps)  backward_chunk._chunk_backward in its SEQUENTIAL form: du = dv2 from
-                          D's bf16 copy first, then the chunk's dq, dk, dv, dbeta, dg
+                          D's bf16 copy first, then the chunk's dq, dk, dv, dbeta, dg; it also
+                          issues the next chunk's tile loads (cp.async)
     state (4 warps)       D = dh[c] in fp32 registers: publishes its bf16 copy, then
                           D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2)
                           from the operands the chunk math leaves in do_s and du_s
-    load (4 warps)        cp.async of the next chunk's tiles as each group is freed
 The chain from one chunk's D to the next is the chunk math's k D, M^T do and T^T dv2, then the
 state role's two products; the rest of the chunk math (dT, dA, dk's WY terms) runs beside the
-update. Tiles are single-buffered (the chunk math's twelve fill shared memory), so the loader
-refills a group once its last reader has passed: do after the update, h / v_new / v after the
-chunk math's dbeta, q / k / T at the chunk's end.
+update. Tiles are single-buffered (the chunk math's twelve fill shared memory), so each group is
+refilled once its last reader has passed: h / v_new / v after the chunk math's dbeta, q / k / T
+/ do after the chunk and the state role's update.
 """
 import torch
 from triton.experimental import gluon
@@ -27,16 +27,18 @@ from .backward_chunk import (
     BAR_D_FREE, BAR_D_READY, BAR_UPDATE_DONE, BAR_UPDATE_READY, NUM_BARS, _allocate, _chunk_backward,
     gradient_buffers, issue_key_tiles, issue_state_tiles
 )
-from .common import CHUNK, last_gate, one_warpgroup_accumulator, sequence_of_program
+from .common import (
+    CHUNK, first_chunk_state, last_gate, one_warpgroup_accumulator, reverse_chunk, sequence_of_program
+)
 
 STATE_REGS = gl.constexpr(168)
 
 
 @gluon.jit
-def _chunk_of(it, num_chunks, bos, seq_len):
-    """Chunk index (last first), first token and valid rows of step it."""
-    c = num_chunks - 1 - it
-    return c, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK).to(gl.int32)
+def _step(it, num_chunks, bos, seq_len):
+    """common.reverse_chunk with the valid rows as int32, as the chunk math takes them."""
+    c, tok0, n_valid = reverse_chunk(it, num_chunks, bos, seq_len)
+    return c, tok0, n_valid.to(gl.int32)
 
 
 @gluon.jit
@@ -54,20 +56,17 @@ def _chunk_math(q, k, v, v_new, h, do, ai, dq, dk, dv, dbeta, dg, g_cum, beta, c
     role's update)."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     head = hv // (HV // HQ)
-    if IS_VARLEN:
-        chunk0 = gl.load(chunk_offsets + seq_hv // HV).to(gl.int64)
-    else:
-        chunk0 = (seq_hv // HV).to(gl.int64) * gl.cdiv(T, CHUNK)
+    chunk0 = first_chunk_state(chunk_offsets, seq_hv, T, HV, IS_VARLEN)
     if num_chunks > 0:
-        c, tok0, n_valid = _chunk_of(0, num_chunks, bos, seq_len)
+        c, tok0, n_valid = _step(0, num_chunks, bos, seq_len)
         issue_key_tiles(q, k, ai, do, q_b.index(0), k_b.index(0), t_b.index(0), do_b.index(0), tok0, n_valid, head,
                         hv, HQ, HV, K, V)
         issue_state_tiles(v, v_new, h, vn_b.index(0), h_b.index(0), v_b.index(0), tok0, n_valid,
                           (chunk0 + c) * HV + hv, hv, HV, K, V)
     for it in range(0, num_chunks):
-        c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
+        c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         has_next = it + 1 < num_chunks
-        next_c, next_tok0, next_n_valid = _chunk_of(gl.minimum(it + 1, num_chunks - 1), num_chunks, bos, seq_len)
+        next_c, next_tok0, next_n_valid = _step(gl.minimum(it + 1, num_chunks - 1), num_chunks, bos, seq_len)
         z = _opaque_zero(it)
         do_s, vn_s, h_s, dh_s, du_s, v_s = do_b.index(z), vn_b.index(z), h_b.index(z), dh_b.index(z), du_b.index(z), \
             v_b.index(z)
@@ -135,7 +134,7 @@ def _state(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV:
     if num_chunks > 0:
         _publish_state(lo, hi, dh_s, bars, 0, K)
     for it in range(0, num_chunks):
-        c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
+        c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         decay = gl.exp2(last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G))
         mbarrier.wait(bars.index(BAR_UPDATE_READY), it & 1)
         lo = _update_half(lo, decay, 0, q_s, k_s, do_s, du_s)

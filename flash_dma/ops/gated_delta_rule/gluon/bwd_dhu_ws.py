@@ -31,20 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, LOG2E, exp2_ftz, fill_ring_slot, hand_off, one_warpgroup_accumulator, register_a_operand,
-    sequence_of_program, start_state, store_state
+    CHUNK, LOG2E, exp2_ftz, fill_ring_slot, first_chunk_state, hand_off, one_warpgroup_accumulator, register_a_operand,
+    reverse_chunk, sequence_of_program, start_state, store_state
 )
 
 BV = gl.constexpr(64)
 HELPER_REGS = gl.constexpr(168)
 LOAD_REGS = gl.constexpr(40)
-
-
-@gluon.jit
-def _chunk_of(it, num_chunks, bos, seq_len):
-    """Chunk index (last first), first token and valid rows of step it."""
-    c = num_chunks - 1 - it
-    return c, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK)
 
 
 @gluon.jit
@@ -76,7 +69,7 @@ def _chain(dht, dh0, g_cum, cu_seqlens, T, scale, v_start, q_ring, k_ring, do_ri
     # the gate at each chunk's last row is loaded a step ahead (a load at use sits on the chain)
     last = _last_gate(g_cum, 0, num_chunks, bos, seq_len, hv, HV, HAS_G)
     for it in range(0, num_chunks):
-        c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
+        c, tok0, n_valid = reverse_chunk(it, num_chunks, bos, seq_len)
         slot = it % STAGES
         buf = it % 2
         phase = (it // 2) & 1
@@ -116,7 +109,7 @@ def _form_inputs(it, num_chunks, bos, seq_len, scale, q_ring, k_ring, do_ring, t
                  kb_stage, dvl_buf, w_buf, ready, free, dvl_ready, dvl_free, w_ready, w_free,
                  K: gl.constexpr, STAGES: gl.constexpr):
     """The helper's part of step it: dvl^T and w for the chain (module docstring)."""
-    c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
+    c, tok0, n_valid = reverse_chunk(it, num_chunks, bos, seq_len)
     slot = it % STAGES
     buf = it % 2
     phase = (it // 2) & 1
@@ -164,10 +157,7 @@ def _helper(dh, dv2, cu_seqlens, chunk_offsets, T, scale, v_start, q_ring, k_rin
     """The helper warpgroup: the chain's inputs a step ahead, then dh[c] from D^T [64, K] and dv2
     from dv2^T [64, 64], each thread a run of V columns (coalesced)."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
-    if IS_VARLEN:
-        chunk0 = gl.load(chunk_offsets + seq_hv // HV).to(gl.int64)
-    else:
-        chunk0 = (seq_hv // HV).to(gl.int64) * gl.cdiv(T, CHUNK)
+    chunk0 = first_chunk_state(chunk_offsets, seq_hv, T, HV, IS_VARLEN)
     state_out: gl.constexpr = gl.BlockedLayout([8, 1], [BV // 8, 32 // (BV // 8)], [1, 4], [0, 1])
     sv = v_start + gl.arange(0, BV, layout=gl.SliceLayout(1, state_out))
     sk = gl.arange(0, K, layout=gl.SliceLayout(0, state_out))
@@ -180,7 +170,7 @@ def _helper(dh, dv2, cu_seqlens, chunk_offsets, T, scale, v_start, q_ring, k_rin
             _form_inputs(it + 1, num_chunks, bos, seq_len, scale, q_ring, k_ring, do_ring, t_ring, g_rows, beta_rows,
                          m_stage, kb_stage, dvl_buf, w_buf, ready, free, dvl_ready, dvl_free, w_ready, w_free, K,
                          STAGES)
-        c, tok0, n_valid = _chunk_of(it, num_chunks, bos, seq_len)
+        c, tok0, n_valid = reverse_chunk(it, num_chunks, bos, seq_len)
         buf = it % 2
         phase = (it // 2) & 1
         mbarrier.wait(d_ready.index(buf), phase)

@@ -50,6 +50,25 @@ def sequence_of_program(cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr
 
 
 @gluon.jit
+def first_chunk_state(chunk_offsets, seq_hv, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Index (int64) of the first per-chunk state of sequence seq_hv // HV in the [chunk states,
+    HV, K, V] tensors (h, dh): chunk_offsets for varlen, else the sequence's chunks times its
+    index."""
+    if IS_VARLEN:
+        return gl.load(chunk_offsets + seq_hv // HV).to(gl.int64)
+    else:
+        return (seq_hv // HV).to(gl.int64) * gl.cdiv(T, CHUNK)
+
+
+@gluon.jit
+def reverse_chunk(step, num_chunks, bos, seq_len):
+    """(chunk index, first token, valid rows) of step `step` of a walk over a sequence's chunks
+    from last to first (the backward's sequential kernels)."""
+    c = num_chunks - 1 - step
+    return c, bos + c * CHUNK, gl.minimum(seq_len - c * CHUNK, CHUNK)
+
+
+@gluon.jit
 def copy_chunk_tiles(q, k, v, ai, q_slot, k_slot, v_slot, t_slot, tok0, n_valid, head, hv, v_start,
                      HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                      NW: gl.constexpr):
