@@ -64,31 +64,34 @@ def _chunk_of_item(slot, bhv, chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VAR
 
 
 @gluon.jit
-def _copy_rows(smem, base, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr, NW: gl.constexpr):
+def _copy_rows(smem, base, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr, NW: gl.constexpr, zero=0):
     """cp.async of a [64, D] tile (rows tok0.. of a [tokens, heads, D] tensor) into smem by NW
-    warps; rows from n_valid on are zero-filled."""
+    warps; rows from n_valid on are zero-filled. zero: see _store_rows."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
-    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)) + zero
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     offs = ((tok0 + rows)[:, None] * heads + head) * D + cols[None, :]
     async_copy.async_copy_global_to_shared(smem, base + offs, (rows < n_valid)[:, None] & (cols < D)[None, :])
 
 
 @gluon.jit
-def _copy_state(smem, base, index, K: gl.constexpr, V: gl.constexpr, NW: gl.constexpr):
-    """cp.async of the [K, V] state at `index` (int64) of a [.., K, V] tensor into smem by NW warps."""
+def _copy_state(smem, base, index, K: gl.constexpr, V: gl.constexpr, NW: gl.constexpr, zero=0):
+    """cp.async of the [K, V] state at `index` (int64) of a [.., K, V] tensor into smem by NW warps.
+    zero: see _store_rows."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [NW, 1], [1, 0])
-    rows = gl.arange(0, K, layout=gl.SliceLayout(1, layout))
+    rows = gl.arange(0, K, layout=gl.SliceLayout(1, layout)) + zero
     cols = gl.arange(0, V, layout=gl.SliceLayout(0, layout))
     async_copy.async_copy_global_to_shared(smem, base + index * K * V + rows[:, None] * V + cols[None, :])
 
 
 @gluon.jit
-def _store_rows(base, tile, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr):
+def _store_rows(base, tile, tok0, n_valid, heads: gl.constexpr, head, D: gl.constexpr, zero=0):
     """Store a [64, D] tile to rows tok0.. of a [tokens, heads, D] tensor (rows from n_valid on
-    not written), converted to the tensor's dtype; each thread a run of 8 columns (coalesced)."""
+    not written), converted to the tensor's dtype; each thread a run of 8 columns (coalesced).
+    zero: 0, or in a loop over chunks an opaque 0, so that the lane offsets are formed per chunk
+    instead of being hoisted out of the loop into registers it cannot spare."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [gl.num_warps(), 1], [1, 0])
-    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)) + zero
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     value = gl.convert_layout(tile.to(base.dtype.element_ty), layout)
     gl.store(base + ((tok0 + rows)[:, None] * heads + head) * D + cols[None, :], value,

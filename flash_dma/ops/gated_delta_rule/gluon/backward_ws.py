@@ -1,44 +1,89 @@
-"""The backward after the state pass in one kernel with warp roles: bwd_dhu, its intra-chunk dv
-and the chunk-parallel gradients fused. One program per (sequence, value head) walks the chunks
-last to first; dh, dv2, dv_local and w never reach memory. Scalar gate or none; K and V 64 or
-128; 16-bit inputs; sequences whole.
+"""The backward after the state pass in one kernel with warp roles: bwd_dhu, its intra-chunk dv and
+the chunk-parallel gradients (backward_chunk.py's math) fused. One program per (sequence, value
+head) walks the chunks last to first; dh, dv2, dv_local and w never reach memory. Scalar gate or
+none; K and V 64 or 128; 16-bit inputs; sequences whole.
 
-Roles (gl.warp_specialize):
-    chunk math (8 warps)  backward_chunk._chunk_backward in its SEQUENTIAL form: du = dv2 from
-                          D's bf16 copy first, then the chunk's dq, dk, dv, dbeta, dg; it also
-                          issues the next chunk's tile loads (cp.async)
-    state (4 warps)       D = dh[c] in fp32 registers: publishes its bf16 copy, then
+The chunk math is split by product between two warpgroups, so that each holds at most about two
+accumulators (a split by columns would leave every product's accumulators live in both):
+    value role (4 warps)  M = scale (q k^T) . Gamma and Pg = scale (do v_new^T) . Gamma; dq;
+                          then, once D's copy is in, du = dv2 = e^(B_last - B) (k D) + M^T do,
+                          dw = -du h^T, dv = beta (T^T du); leaves scale e^B do and
+                          -beta e^B (T^T du) for the update; issues the next chunk's h, v_new, v
+    pair role (4 warps)   dk's state and intra parts (v_new D^T, Pg^T q), dT, dA, dk's WY terms
+                          (X k + X^T k + diag(e^B beta) T^T dw, T^T from registers), dbeta, dg;
+                          issues the next chunk's q, k, T, do
+    state role (4 warps)  D = dh[c] in fp32 registers: publishes its bf16 copy, then
                           D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2)
-                          from the operands the chunk math leaves in do_s and du_s
-The chain from one chunk's D to the next is the chunk math's k D, M^T do and T^T dv2, then the
-state role's two products; the rest of the chunk math (dT, dA, dk's WY terms) runs beside the
-update. Tiles are single-buffered (the chunk math's twelve fill shared memory), so each group is
-refilled once its last reader has passed: h / v_new / v after the chunk math's dbeta, q / k / T
-/ do after the chunk and the state role's update.
+Tiles are single-buffered (twelve fill shared memory); each group is refilled once its last
+reader has passed. Row sums cross from the value to the pair role through shared memory, a
+buffer per chunk parity.
+
+mbarriers (one phase per chunk; arrivals per phase):
+    LOAD_KEYS, LOAD_STATE  q, k, T, do / h, v_new, v landed (cp.async arrivals of the issuing
+                           role's 128 threads)
+    D_READY     D's copy in dh_s (state, 1)             D_FREE      dh_s read (value, pair: 2)
+    PG_READY    Pg in pg_s (value, 1)                   DU_READY    du in du_s, M read (value, 1)
+    DW_READY    dw in dw_s (value, 1)                   DU_FREE     du, v, h, v_new read (pair, 1)
+    UPDATE_READY  the update's operands (value, 1)      KEYS_FREE   q, k, T, do, du read (value, state: 2)
+    ROWS_READY  the value role's row sums (value, 1)
 """
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.launch import launch
-from .backward_chunk import (
-    BAR_D_FREE, BAR_D_READY, BAR_UPDATE_DONE, BAR_UPDATE_READY, NUM_BARS, _allocate, _chunk_backward,
-    gradient_buffers, issue_key_tiles, issue_state_tiles
-)
+from .backward_chunk import _copy_rows, _copy_state, _gamma, _publish, _state_dot, _store_rows, _sum, gradient_buffers
 from .common import (
-    CHUNK, first_chunk_state, last_gate, one_warpgroup_accumulator, reverse_chunk, sequence_of_program
+    CHUNK, first_chunk_state, gate_rows, last_gate, one_warpgroup_accumulator, register_a_operand, reverse_chunk,
+    sequence_of_program
 )
 
+LOAD_KEYS = gl.constexpr(0)
+LOAD_STATE = gl.constexpr(1)
+D_READY = gl.constexpr(2)
+D_FREE = gl.constexpr(3)
+PG_READY = gl.constexpr(4)
+DU_READY = gl.constexpr(5)
+DW_READY = gl.constexpr(6)
+DU_FREE = gl.constexpr(7)
+UPDATE_READY = gl.constexpr(8)
+KEYS_FREE = gl.constexpr(9)
+ROWS_READY = gl.constexpr(10)
+NUM_BARS = gl.constexpr(11)
+ARRIVALS = (128, 128, 1, 2, 1, 1, 1, 1, 1, 2, 1)
+
+PAIR_REGS = gl.constexpr(176)
 STATE_REGS = gl.constexpr(168)
 
 
 @gluon.jit
 def _step(it, num_chunks, bos, seq_len):
-    """common.reverse_chunk with the valid rows as int32, as the chunk math takes them."""
+    """common.reverse_chunk with the valid rows as int32."""
     c, tok0, n_valid = reverse_chunk(it, num_chunks, bos, seq_len)
     return c, tok0, n_valid.to(gl.int32)
+
+
+@gluon.jit
+def _issue_keys(q, k, ai, do, q_s, k_s, t_s, do_s, tok0, n_valid, head, hv, bars, zero, HQ: gl.constexpr,
+                HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """cp.async of a chunk's q, k, T and do, arriving on LOAD_KEYS as they land."""
+    _copy_rows(q_s, q, tok0, n_valid, HQ, head, K, gl.num_warps(), zero)
+    _copy_rows(k_s, k, tok0, n_valid, HQ, head, K, gl.num_warps(), zero)
+    _copy_rows(t_s, ai, tok0, n_valid, HV, hv, CHUNK, gl.num_warps(), zero)
+    _copy_rows(do_s, do, tok0, n_valid, HV, hv, V, gl.num_warps(), zero)
+    async_copy.mbarrier_arrive(bars.index(LOAD_KEYS), increment_count=False)
+
+
+@gluon.jit
+def _issue_state(v, v_new, h, vn_s, h_s, v_s, tok0, n_valid, state_index, hv, bars, zero, HV: gl.constexpr,
+                 K: gl.constexpr, V: gl.constexpr):
+    """cp.async of a chunk's h (at state_index), v_new and v, arriving on LOAD_STATE."""
+    _copy_state(h_s, h, state_index, K, V, gl.num_warps(), zero)
+    _copy_rows(vn_s, v_new, tok0, n_valid, HV, hv, V, gl.num_warps(), zero)
+    _copy_rows(v_s, v, tok0, n_valid, HV, hv, V, gl.num_warps(), zero)
+    async_copy.mbarrier_arrive(bars.index(LOAD_STATE), increment_count=False)
 
 
 @gluon.jit
@@ -48,52 +93,235 @@ def _opaque_zero(x):
 
 
 @gluon.jit
-def _chunk_math(q, k, v, v_new, h, do, ai, dq, dk, dv, dbeta, dg, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
-                do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pair_b, dt_b, bars, HQ: gl.constexpr,
-                HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The chunk math's warps: each chunk's gradients, and the loads of the next chunk's tiles as
-    they are read out (h, v_new, v within the chunk math; q, k, T, do after it and the state
-    role's update)."""
+def _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b):
+    """The tiles of one chunk, through an index the compiler cannot see is zero, so that each
+    role forms their swizzled addresses per chunk instead of hoisting them all out of its loop
+    (spills)."""
+    return (do_b.index(z), vn_b.index(z), h_b.index(z), dh_b.index(z), du_b.index(z), v_b.index(z), q_b.index(z),
+            k_b.index(z), t_b.index(z), dw_b.index(z), pg_b.index(z), m_b.index(z))
+
+
+@gluon.jit
+def _signal(bars, index: gl.constexpr):
+    """Arrive once for the role, after every warp of it got here."""
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(index))
+
+
+@gluon.jit
+def _value_role(q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
+                do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars,
+                HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
+                IS_VARLEN: gl.constexpr):
+    """The value side of each chunk (module docstring), and the loads of the first chunk and of
+    every next chunk's h, v_new and v."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     head = hv // (HV // HQ)
     chunk0 = first_chunk_state(chunk_offsets, seq_hv, T, HV, IS_VARLEN)
+    dt: gl.constexpr = q_b.dtype
+    key_acc: gl.constexpr = one_warpgroup_accumulator(K)
+    value_acc: gl.constexpr = one_warpgroup_accumulator(V)
+    pair_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
+    rows_of: gl.constexpr = gl.SliceLayout(1, pair_acc)
+    cols_of: gl.constexpr = gl.SliceLayout(0, pair_acc)
+    value_rows: gl.constexpr = gl.SliceLayout(1, value_acc)
     if num_chunks > 0:
         c, tok0, n_valid = _step(0, num_chunks, bos, seq_len)
-        issue_key_tiles(q, k, ai, do, q_b.index(0), k_b.index(0), t_b.index(0), do_b.index(0), tok0, n_valid, head,
-                        hv, HQ, HV, K, V)
-        issue_state_tiles(v, v_new, h, vn_b.index(0), h_b.index(0), v_b.index(0), tok0, n_valid,
-                          (chunk0 + c) * HV + hv, hv, HV, K, V)
+        _issue_keys(q, k, ai, do, q_b.index(0), k_b.index(0), t_b.index(0), do_b.index(0), tok0, n_valid, head, hv,
+                    bars, 0, HQ, HV, K, V)
+        _issue_state(v, v_new, h, vn_b.index(0), h_b.index(0), v_b.index(0), tok0, n_valid, (chunk0 + c) * HV + hv,
+                     hv, bars, 0, HV, K, V)
     for it in range(0, num_chunks):
+        phase = it & 1
         c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
-        has_next = it + 1 < num_chunks
-        next_c, next_tok0, next_n_valid = _step(gl.minimum(it + 1, num_chunks - 1), num_chunks, bos, seq_len)
         z = _opaque_zero(it)
-        do_s, vn_s, h_s, dh_s, du_s, v_s = do_b.index(z), vn_b.index(z), h_b.index(z), dh_b.index(z), du_b.index(z), \
-            v_b.index(z)
-        q_s, k_s, t_s, dw_s, pair_s, dt_s = q_b.index(z), k_b.index(z), t_b.index(z), dw_b.index(z), pair_b.index(z), \
-            dt_b.index(z)
-        _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, it & 1, z,
-                        v, v_new, h, next_tok0, next_n_valid, (chunk0 + next_c) * HV + hv, has_next,
-                        HV, K, V, HAS_G, True)
-        # q, k and T read out by every warp; do, q, k and du by the state role's update
-        mbarrier.wait(bars.index(BAR_UPDATE_DONE), it & 1)
+        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b)
+        ri = gl.arange(0, CHUNK, layout=rows_of) + z
+        cj = gl.arange(0, CHUNK, layout=cols_of) + z
+        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, ri, HAS_G)
+        b2_last = last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G)
+        eb = gl.exp2(b2)
+        mbarrier.wait(bars.index(LOAD_KEYS), phase)
+        mbarrier.wait(bars.index(LOAD_STATE), phase)
+        s = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                           use_acc=False, is_async=True)
+        gamma = _gamma(b2, ri, cj, n_valid, True) * scale
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_s, k_s))[0]
+        _publish(m_s, (s * gamma).to(dt))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_s, vn_s))[0]
+        _publish(pg_s, (dp * gamma).to(dt))
+        mbarrier.arrive(bars.index(PG_READY))
+
+        # dq = scale e^B (do h^T) + Pg k: needs no D, so it runs while the state role updates
+        dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
+                            is_async=True)
+        dqh = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, do_s, h_s))[0]
+        eb_scale = gl.convert_layout(eb * scale, gl.SliceLayout(1, key_acc))
+        dq_t = warpgroup_mma(pg_s, k_s, dqh * eb_scale[:, None], is_async=True)
+        dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, pg_s, k_s))[0]
+        gate_q = _sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1)
+        _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K, z)
+
+        # du = dv2 = e^(B_last - B) (k D) + M^T do: the chain to the state role
+        mbarrier.wait(bars.index(D_READY), phase)
+        kd = warpgroup_mma(k_s, dh_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False, is_async=True)
+        kd = warpgroup_mma_wait(num_outstanding=0, deps=(kd, k_s, dh_s))[0]
+        _signal(bars, D_FREE)
+        decay = gl.convert_layout(gl.where(ri < n_valid, gl.exp2(b2_last - b2), 0.0), value_rows)
+        du_t = warpgroup_mma(m_s.permute((1, 0)), do_s, kd * decay[:, None], is_async=True)
+        du_t = warpgroup_mma_wait(num_outstanding=0, deps=(du_t, m_s, do_s))[0]
+        _publish(du_s, du_t.to(dt))
+        mbarrier.arrive(bars.index(DU_READY))
+
+        # dw = -du h^T for the pair role, then scale e^B do in place for the state role
+        dwa = warpgroup_mma(du_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
+                            is_async=True)
+        dwa = warpgroup_mma_wait(num_outstanding=0, deps=(dwa, du_s, h_s))[0]
+        _publish(dw_s, (-dwa).to(dt))
+        mbarrier.arrive(bars.index(DW_READY))
+        do_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [gl.num_warps(), 1], [1, 0])
+        do_t = do_s.load(do_layout).to(gl.float32)
+        do_t = do_t * gl.convert_layout(eb * scale, gl.SliceLayout(1, do_layout))[:, None]
+        _publish(do_s, do_t.to(dt))
+
+        # dv = beta (T^T du); the row sums for the pair role
+        dvb = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
+                            is_async=True)
+        dvb = warpgroup_mma_wait(num_outstanding=0, deps=(dvb, t_s, du_s))[0]
+        dbeta_v = _sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1)
+        row_sums.index(2 * phase).store(gl.convert_layout(gate_q, rows_of))
+        row_sums.index(2 * phase + 1).store(gl.convert_layout(dbeta_v, rows_of))
+        _signal(bars, ROWS_READY)
+        beta_v = gl.convert_layout(b_beta, value_rows)
+        _store_rows(dv, dvb * beta_v[:, None], tok0, n_valid, HV, hv, V, z)
+
+        # -beta e^B (T^T du) for the update, once the pair role has read du
+        mbarrier.wait(bars.index(DU_FREE), phase)
+        _publish(du_s, (dvb * (-beta_v * gl.convert_layout(eb, value_rows))[:, None]).to(dt))
+        mbarrier.arrive(bars.index(UPDATE_READY))
+        mbarrier.arrive(bars.index(KEYS_FREE))
+        if it + 1 < num_chunks:
+            next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
+            _issue_state(v, v_new, h, vn_s, h_s, v_s, next_tok0, next_n_valid, (chunk0 + next_c) * HV + hv, hv,
+                         bars, z, HV, K, V)
+
+
+@gluon.jit
+def _pair_role(q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b,
+               t_b, dw_b, pg_b, m_b, row_sums, bars, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+               V: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The pair side of each chunk (module docstring), and the loads of every next chunk's q, k,
+    T and do."""
+    seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
+    head = hv // (HV // HQ)
+    dt: gl.constexpr = q_b.dtype
+    key_acc: gl.constexpr = one_warpgroup_accumulator(K)
+    pair_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
+    a_for_key: gl.constexpr = register_a_operand(key_acc)
+    a_for_pair: gl.constexpr = register_a_operand(pair_acc)
+    rows_of: gl.constexpr = gl.SliceLayout(1, pair_acc)
+    cols_of: gl.constexpr = gl.SliceLayout(0, pair_acc)
+    key_rows: gl.constexpr = gl.SliceLayout(1, key_acc)
+    for it in range(0, num_chunks):
+        phase = it & 1
+        c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
+        z = _opaque_zero(it)
+        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b)
+        ri = gl.arange(0, CHUNK, layout=rows_of) + z
+        cj = gl.arange(0, CHUNK, layout=cols_of) + z
+        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, ri, HAS_G)
+        b2_last = last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G)
+        eb = gl.exp2(b2)
+        mbarrier.wait(bars.index(LOAD_KEYS), phase)
+        mbarrier.wait(bars.index(LOAD_STATE), phase)
+
+        # dk's state part e^(B_last - B) (v_new D^T) and the chunk-end terms of dB_last
+        mbarrier.wait(bars.index(D_READY), phase)
+        dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
+                            is_async=True)
+        last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
+        dkl = warpgroup_mma_wait(num_outstanding=0, deps=(dkl, vn_s, dh_s))[0]
+        _signal(bars, D_FREE)
+        dk_t = dkl * gl.convert_layout(gl.exp2(b2_last - b2), key_rows)[:, None]
+        last_extra += _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
+        # its intra part Pg^T q
+        mbarrier.wait(bars.index(PG_READY), phase)
+        dk_t = warpgroup_mma(pg_s.permute((1, 0)), q_s, dk_t, is_async=True)
+        dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, pg_s, q_s))[0]
+        gate = -gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
+
+        # dT = du (v beta)^T + dw (k e^B beta)^T, and the row sums of T^T dw . k e^B from dw k^T
+        mbarrier.wait(bars.index(DU_READY), phase)
+        duv = warpgroup_mma(du_s, v_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                            use_acc=False, is_async=True)
+        duv = warpgroup_mma_wait(num_outstanding=0, deps=(duv, du_s, v_s))[0]
+        _signal(bars, DU_FREE)
+        d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :]
+        mbarrier.wait(bars.index(DW_READY), phase)
+        dwk = warpgroup_mma(dw_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                            use_acc=False, is_async=True)
+        dwk = warpgroup_mma_wait(num_outstanding=0, deps=(dwk, dw_s, k_s))[0]
+        # kb_i = e^(B_i) sum_j T_ji (dw k^T)_ji
+        kb_row = gl.convert_layout(_sum(t_s.load(pair_acc).to(gl.float32) * dwk, axis=0), rows_of) * eb
+        d_tmat += dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
+        _publish(m_s, d_tmat.to(dt))  # M's reader (the value role's dv2) passed before DU_READY
+
+        # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
+        tdt = warpgroup_mma(t_s.permute((1, 0)), m_s, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                            is_async=True)
+        kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                            is_async=True)
+        tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, m_s))[0]
+        d_a = warpgroup_mma(gl.convert_layout(tdt.to(dt), a_for_pair), t_s.permute((1, 0)),
+                            gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
+        d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
+        d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
+        m = d_ag * kkt
+        m_rows = _sum(m, axis=1)
+        # rows and columns of m . beta (beta scales rows)
+        gate += m_rows * b_beta - gl.convert_layout(_sum(m * b_beta[:, None], axis=0), rows_of)
+        x_dab = (d_ag * b_beta[:, None]).to(dt)
+        _publish(m_s, x_dab)  # dT's reader was waited for
+
+        # dk's WY terms: X k + X^T k + diag(e^B beta) T^T dw, X = diag(beta) dAg
+        t_scaled = t_s.permute((1, 0)).load(pair_acc).to(gl.float32) * (eb * b_beta)[:, None]
+        dk_t = warpgroup_mma(gl.convert_layout(x_dab, a_for_key), k_s, dk_t, is_async=True)
+        dk_t = warpgroup_mma(m_s.permute((1, 0)), k_s, dk_t, is_async=True)
+        dk_t = warpgroup_mma(gl.convert_layout(t_scaled.to(dt), a_for_key), dw_s, dk_t, is_async=True)
+        dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, m_s, k_s, dw_s))[0]
         gl.thread_barrier()
-        if has_next:
-            issue_key_tiles(q, k, ai, do, q_s, k_s, t_s, do_s, next_tok0, next_n_valid, head, hv, HQ, HV, K, V)
+        if it + 1 < num_chunks:
+            # q, k, T and do read out by the value and state roles too
+            mbarrier.wait(bars.index(KEYS_FREE), phase)
+            next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
+            _issue_keys(q, k, ai, do, q_s, k_s, t_s, do_s, next_tok0, next_n_valid, head, hv, bars, z, HQ, HV, K, V)
+        _store_rows(dk, dk_t, tok0, n_valid, HV, hv, K, z)
+
+        mbarrier.wait(bars.index(ROWS_READY), phase)
+        gate_q = row_sums.index(2 * phase).load(rows_of)
+        dbeta_t = row_sums.index(2 * phase + 1).load(rows_of) + m_rows + kb_row
+        row_ok = ri < n_valid
+        gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
+        if HAS_G:
+            gate += gate_q + kb_row * b_beta + gl.where(ri == n_valid - 1, last_extra, 0.0)
+            # the reverse cumsum as a masked row sum (a scan over this layout does not lower)
+            gate_col = gl.convert_layout(gate, cols_of)
+            d_gate = _sum(gl.where(cj[None, :] >= ri[:, None], gate_col[None, :], 0.0), axis=1)
+            gl.store(dg + (tok0 + ri) * HV + hv, d_gate, mask=row_ok)
 
 
 @gluon.jit
 def _publish_state(lo, hi, dh_s, bars, phase, K: gl.constexpr):
-    """dh[c] = D's bf16 copy for the chunk math, once it has read the previous copy; a half at a
-    time (few registers beside D's)."""
-    mbarrier.wait(bars.index(BAR_D_FREE), phase ^ 1)
+    """dh[c] = D's bf16 copy for the other roles, once they have read the previous copy; a half at
+    a time (few registers beside D's)."""
+    mbarrier.wait(bars.index(D_FREE), phase ^ 1)
     dh_s.slice(0, CHUNK).store(lo.to(dh_s.dtype))
     if K == 2 * CHUNK:
         dh_s.slice(CHUNK, CHUNK).store(hi.to(dh_s.dtype))
     fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(bars.index(BAR_D_READY))
+    _signal(bars, D_READY)
 
 
 @gluon.jit
@@ -117,10 +345,10 @@ def _state_offsets(seq_hv, row0: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
 
 
 @gluon.jit
-def _state(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV: gl.constexpr, K: gl.constexpr,
-           V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-           IS_VARLEN: gl.constexpr):
-    """The state role (module docstring): D [K, V] as its one warpgroup's MMA accumulators, rows
+def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV: gl.constexpr,
+                K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr,
+                STORE_DH0: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """The state role (module docstring): D [K, V] as its warpgroup's MMA accumulators, rows
     0..63 and (K = 128) 64..127."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
     dh_s, do_s, du_s, q_s, k_s = dh_s.index(0), do_s.index(0), du_s.index(0), q_s.index(0), k_s.index(0)
@@ -136,13 +364,12 @@ def _state(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV:
     for it in range(0, num_chunks):
         c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         decay = gl.exp2(last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G))
-        mbarrier.wait(bars.index(BAR_UPDATE_READY), it & 1)
+        mbarrier.wait(bars.index(UPDATE_READY), it & 1)
         lo = _update_half(lo, decay, 0, q_s, k_s, do_s, du_s)
         if K == 2 * CHUNK:
             hi = _update_half(hi, decay, CHUNK, q_s, k_s, do_s, du_s)
         lo, hi, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(lo, hi, q_s, k_s, do_s, du_s))
-        gl.thread_barrier()  # every warp's products have read do_s, q_s, k_s and du_s
-        mbarrier.arrive(bars.index(BAR_UPDATE_DONE))
+        _signal(bars, KEYS_FREE)
         if it + 1 < num_chunks:
             _publish_state(lo, hi, dh_s, bars, (it + 1) & 1, K)
     if STORE_DH0:
@@ -156,19 +383,44 @@ def gdn_bwd_ws_kernel(q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, d
                       chunk_offsets, T, scale, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                       V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
                       IS_VARLEN: gl.constexpr):
-    """One program per (sequence, value head): 8 warps of chunk math here, plus the state
-    warpgroup."""
-    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s = _allocate(q.dtype.element_ty, K, V, True)
+    """One program per (sequence, value head): the value role's 4 warps here, plus the pair and
+    state warpgroups."""
+    dt: gl.constexpr = q.dtype.element_ty
+    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
+    value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, V], dt)
+    square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
+    state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, V], dt)
+    # each with a leading dimension of one, for the roles' views (_views)
+    do_b = gl.allocate_shared_memory(dt, [1, CHUNK, V], value_smem)
+    vn_b = gl.allocate_shared_memory(dt, [1, CHUNK, V], value_smem)
+    h_b = gl.allocate_shared_memory(dt, [1, K, V], state_smem)
+    dh_b = gl.allocate_shared_memory(dt, [1, K, V], state_smem)  # D's bf16 copy
+    du_b = gl.allocate_shared_memory(dt, [1, CHUNK, V], value_smem)  # du = dv2, then the update's operand
+    v_b = gl.allocate_shared_memory(dt, [1, CHUNK, V], value_smem)
+    q_b = gl.allocate_shared_memory(dt, [1, CHUNK, K], key_smem)
+    k_b = gl.allocate_shared_memory(dt, [1, CHUNK, K], key_smem)
+    t_b = gl.allocate_shared_memory(dt, [1, CHUNK, CHUNK], square_smem)
+    dw_b = gl.allocate_shared_memory(dt, [1, CHUNK, K], key_smem)
+    pg_b = gl.allocate_shared_memory(dt, [1, CHUNK, CHUNK], square_smem)
+    m_b = gl.allocate_shared_memory(dt, [1, CHUNK, CHUNK], square_smem)  # M, then dT, then X
+    row_sums = gl.allocate_shared_memory(gl.float32, [4, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BARS):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bars.index(i), count=_arrivals(i))
     gl.warp_specialize([
-        (_chunk_math, (q, k, v, v_new, h, do, ai, dq, dk, dv, dbeta, dg, g_cum, beta, cu_seqlens, chunk_offsets, T,
-                       scale, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, HQ, HV, K, V,
-                       HAS_G, IS_VARLEN)),
-        (_state, (dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV, K, V, HAS_G, HAS_DHT,
-                  STORE_DH0, IS_VARLEN)),
-    ], [4], [STATE_REGS])
+        (_value_role, (q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
+                       do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars,
+                       HQ, HV, K, V, HAS_G, IS_VARLEN)),
+        (_pair_role, (q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
+                      q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars, HQ, HV, K, V, HAS_G, IS_VARLEN)),
+        (_state_role, (dht, dh0, g_cum, cu_seqlens, T, dh_b, do_b, du_b, q_b, k_b, bars, HV, K, V, HAS_G,
+                       HAS_DHT, STORE_DH0, IS_VARLEN)),
+    ], [4, 4], [PAIR_REGS, STATE_REGS])
+
+
+@gluon.constexpr_function
+def _arrivals(index):
+    return ARRIVALS[index]
 
 
 def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0: bool, scale: float):
@@ -183,5 +435,5 @@ def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0
     launch(gdn_bwd_ws_kernel, (1, layout.num_seqs * HV),
            q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, dbeta, dg, dh0, cu, offsets, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
-           IS_VARLEN=layout.is_varlen, num_warps=8, maxnreg=168)
+           IS_VARLEN=layout.is_varlen, num_warps=4, maxnreg=168)
     return dq, dk, dv, dbeta, dg, dh0
