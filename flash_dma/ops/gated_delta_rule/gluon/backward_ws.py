@@ -5,10 +5,10 @@ none; K and V 64 or 128; 16-bit inputs; sequences whole.
 
 The chunk math is split by product between two warpgroups, so that each holds at most about two
 accumulators (a split by columns would leave every product's accumulators live in both):
-    value role (4 warps)  M = scale (q k^T) . Gamma and Pg = scale (do v_new^T) . Gamma; dq;
-                          then, once D's copy is in, du = dv2 = e^(B_last - B) (k D) + M^T do,
-                          dw = -du h^T, dv = beta (T^T du); leaves scale e^B do and
-                          -beta e^B (T^T du) for the update; issues the next chunk's h, v_new, v
+    value role (4 warps)  M = scale (q k^T) . Gamma and Pg = scale (do v_new^T) . Gamma; once
+                          D's copy is in, du = dv2 = e^(B_last - B) (k D) + M^T do, dw = -du h^T,
+                          dv = beta (T^T du); leaves scale e^B do and -beta e^B (T^T du) for the
+                          update; then dq beside the update; issues the next chunk's h, v_new, v
     pair role (4 warps)   dk's state and intra parts (v_new D^T, Pg^T q), dT, dA, dk's WY terms
                           (X k + X^T k + diag(e^B beta) T^T dw, T^T from registers), dbeta, dg;
                           issues the next chunk's q, k, T, do
@@ -54,7 +54,9 @@ ROWS_READY = gl.constexpr(10)
 NUM_BARS = gl.constexpr(11)
 ARRIVALS = (128, 128, 1, 2, 1, 1, 1, 1, 1, 2, 1)
 
-PAIR_REGS = gl.constexpr(176)
+# registers a thread: the value role (the default partition) gets what these leave of the 504
+# (setmaxnreg's pool for 12 warps): 152
+PAIR_REGS = gl.constexpr(184)
 STATE_REGS = gl.constexpr(168)
 
 
@@ -154,16 +156,6 @@ def _value_role(q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chun
         _publish(pg_s, (dp * gamma).to(dt))
         mbarrier.arrive(bars.index(PG_READY))
 
-        # dq = scale e^B (do h^T) + Pg k: needs no D, so it runs while the state role updates
-        dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
-                            is_async=True)
-        dqh = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, do_s, h_s))[0]
-        eb_scale = gl.convert_layout(eb * scale, gl.SliceLayout(1, key_acc))
-        dq_t = warpgroup_mma(pg_s, k_s, dqh * eb_scale[:, None], is_async=True)
-        dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, pg_s, k_s))[0]
-        gate_q = _sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1)
-        _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K, z)
-
         # du = dv2 = e^(B_last - B) (k D) + M^T do: the chain to the state role
         mbarrier.wait(bars.index(D_READY), phase)
         kd = warpgroup_mma(k_s, dh_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False, is_async=True)
@@ -186,22 +178,29 @@ def _value_role(q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chun
         do_t = do_t * gl.convert_layout(eb * scale, gl.SliceLayout(1, do_layout))[:, None]
         _publish(do_s, do_t.to(dt))
 
-        # dv = beta (T^T du); the row sums for the pair role
+        # dv = beta (T^T du); -beta e^B (T^T du) for the update, once the pair role has read du
         dvb = warpgroup_mma(t_s.permute((1, 0)), du_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False,
                             is_async=True)
         dvb = warpgroup_mma_wait(num_outstanding=0, deps=(dvb, t_s, du_s))[0]
-        dbeta_v = _sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1)
-        row_sums.index(2 * phase).store(gl.convert_layout(gate_q, rows_of))
-        row_sums.index(2 * phase + 1).store(gl.convert_layout(dbeta_v, rows_of))
-        _signal(bars, ROWS_READY)
         beta_v = gl.convert_layout(b_beta, value_rows)
-        _store_rows(dv, dvb * beta_v[:, None], tok0, n_valid, HV, hv, V, z)
-
-        # -beta e^B (T^T du) for the update, once the pair role has read du
         mbarrier.wait(bars.index(DU_FREE), phase)
         _publish(du_s, (dvb * (-beta_v * gl.convert_layout(eb, value_rows))[:, None]).to(dt))
         mbarrier.arrive(bars.index(UPDATE_READY))
+        dbeta_v = _sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1)
+        _store_rows(dv, dvb * beta_v[:, None], tok0, n_valid, HV, hv, V, z)
+
+        # dq = scale e^B (do h^T) + Pg k = (scale e^B do) h^T + Pg k, beside the update (off the
+        # chain from one chunk's D to the next)
+        dq_t = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
+                             is_async=True)
+        dq_t = warpgroup_mma(pg_s, k_s, dq_t, is_async=True)
+        dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, do_s, h_s, pg_s, k_s))[0]
+        gate_q = _sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1)
+        row_sums.index(2 * phase).store(gl.convert_layout(gate_q, rows_of))
+        row_sums.index(2 * phase + 1).store(gl.convert_layout(dbeta_v, rows_of))
+        _signal(bars, ROWS_READY)
         mbarrier.arrive(bars.index(KEYS_FREE))
+        _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K, z)
         if it + 1 < num_chunks:
             next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
             _issue_state(v, v_new, h, vn_s, h_s, v_s, next_tok0, next_n_valid, (chunk0 + next_c) * HV + hv, hv,
