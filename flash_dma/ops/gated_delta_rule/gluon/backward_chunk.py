@@ -128,12 +128,16 @@ def _sum(x, axis: gl.constexpr):
 
 
 @gluon.jit
-def _state_dot(h_s, dh_s, K: gl.constexpr, V: gl.constexpr):
-    """sum(h . dh) of two [K, V] states in shared memory, 16 rows at a time (few registers)."""
+def _state_dot(h_s, dh_s, K: gl.constexpr, V: gl.constexpr, ROWS: gl.constexpr = 16, FENCED: gl.constexpr = False):
+    """sum(h . dh) of two [K, V] states in shared memory, ROWS rows at a time (few registers).
+    FENCED: a thread barrier after each slice, so that the compiler cannot hoist every slice's
+    loads to the start (for a caller whose registers are nearly all taken)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (V // 8), V // 8], [gl.num_warps(), 1], [1, 0])
-    total = gl.zeros([16, V], gl.float32, layout)
-    for r in gl.static_range(0, K, 16):
-        total += h_s.slice(r, 16).load(layout).to(gl.float32) * dh_s.slice(r, 16).load(layout).to(gl.float32)
+    total = gl.zeros([ROWS, V], gl.float32, layout)
+    for r in gl.static_range(0, K, ROWS):
+        total += h_s.slice(r, ROWS).load(layout).to(gl.float32) * dh_s.slice(r, ROWS).load(layout).to(gl.float32)
+        if FENCED:
+            gl.thread_barrier()
     # one reduction at the end: each one crosses warps through shared memory
     return _sum(_sum(total, axis=1), axis=0)
 

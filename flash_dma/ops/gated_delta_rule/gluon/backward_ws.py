@@ -8,14 +8,17 @@ accumulators (a split by columns would leave every product's accumulators live i
     value role (4 warps)  M = scale (q k^T) . Gamma and Pg = scale (do v_new^T) . Gamma; once
                           D's copy is in, du = dv2 = e^(B_last - B) (k D) + M^T do, dw = -du h^T,
                           dv = beta (T^T du); leaves scale e^B do and -beta e^B (T^T du) for the
-                          update; then dq beside the update; issues the next chunk's h, v_new, v
-    pair role (4 warps)   dk's state and intra parts (v_new D^T, Pg^T q), dT, dA, dk's WY terms
-                          (X k + X^T k + diag(e^B beta) T^T dw, T^T from registers), dbeta, dg;
-                          issues the next chunk's q, k, T, do
-    state role (4 warps)  D = dh[c] in fp32 registers: publishes its bf16 copy, then
-                          D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2)
-Tiles are single-buffered (twelve fill shared memory); each group is refilled once its last
-reader has passed. Row sums cross from the value to the pair role through shared memory, a
+                          update; then dq beside the update, and dbeta and dg from every role's
+                          row sums; issues the next chunk's h, v_new, v
+    pair role (4 warps)   dk's state and intra parts (v_new D^T, Pg^T q), dT (transposed, so that
+                          its scales and row sums stay within warps), dA, dk's WY terms
+                          (X k + X^T k + diag(e^B beta) T^T dw, T^T from registers) and its row
+                          sums of the gate and beta gradients; issues the next chunk's q, k, T, do
+    state role (4 warps)  D = dh[c] in fp32 registers: publishes its bf16 copy and sum(h . D),
+                          then D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2)
+The pair role's chain (dT, dA, its WY terms) is the longest, so the rest (dq, dbeta and dg, the
+state dot) sits with the other two. Tiles are single-buffered (twelve fill shared memory); each
+group is refilled once its last reader has passed. Row vectors cross through shared memory, a
 buffer per chunk parity.
 
 mbarriers (one phase per chunk; arrivals per phase):
@@ -25,7 +28,7 @@ mbarriers (one phase per chunk; arrivals per phase):
     PG_READY    Pg in pg_s (value, 1)                   DU_READY    du in du_s, M read (value, 1)
     DW_READY    dw in dw_s (value, 1)                   DU_FREE     du, v, h, v_new read (pair, 1)
     UPDATE_READY  the update's operands (value, 1)      KEYS_FREE   q, k, T, do, du read (value, state: 2)
-    ROWS_READY  the value role's row sums (value, 1)
+    PAIR_ROWS   the pair role's row sums (pair, 1)      DOT_DONE    sum(h . D) written, h read (state, 1)
 """
 import torch
 from triton.experimental import gluon
@@ -50,9 +53,14 @@ DW_READY = gl.constexpr(6)
 DU_FREE = gl.constexpr(7)
 UPDATE_READY = gl.constexpr(8)
 KEYS_FREE = gl.constexpr(9)
-ROWS_READY = gl.constexpr(10)
-NUM_BARS = gl.constexpr(11)
-ARRIVALS = (128, 128, 1, 2, 1, 1, 1, 1, 1, 2, 1)
+PAIR_ROWS = gl.constexpr(10)
+DOT_DONE = gl.constexpr(11)
+NUM_BARS = gl.constexpr(12)
+ARRIVALS = (128, 128, 1, 2, 1, 1, 1, 1, 1, 2, 1, 1)
+# the row vectors that cross between the roles, per chunk parity p at 3 p + these
+GATE_ROWS = gl.constexpr(0)  # the pair role's part of the gate gradient's rows
+DBETA_ROWS = gl.constexpr(1)  # the pair role's part of dbeta
+STATE_DOT = gl.constexpr(2)  # sum(h . D) of the chunk (the state role's), in every row
 
 # registers a thread: the value role (the default partition) gets what these leave of the 504
 # (setmaxnreg's pool for 12 warps): 152
@@ -111,7 +119,7 @@ def _signal(bars, index: gl.constexpr):
 
 
 @gluon.jit
-def _value_role(q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
+def _value_role(q, k, v, v_new, h, do, ai, dq, dv, dbeta, dg, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
                 do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars,
                 HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
                 IS_VARLEN: gl.constexpr):
@@ -195,20 +203,33 @@ def _value_role(q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chun
                              is_async=True)
         dq_t = warpgroup_mma(pg_s, k_s, dq_t, is_async=True)
         dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, do_s, h_s, pg_s, k_s))[0]
-        gate_q = _sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1)
-        row_sums.index(2 * phase).store(gl.convert_layout(gate_q, rows_of))
-        row_sums.index(2 * phase + 1).store(gl.convert_layout(dbeta_v, rows_of))
-        _signal(bars, ROWS_READY)
-        mbarrier.arrive(bars.index(KEYS_FREE))
+        gate = gl.convert_layout(_sum(q_s.load(key_acc).to(gl.float32) * dq_t, axis=1), rows_of)
+        _signal(bars, KEYS_FREE)
         _store_rows(dq, dq_t, tok0, n_valid, HV, hv, K, z)
+        # h, v_new and v read out (the state role's sum(h . D) too)
+        mbarrier.wait(bars.index(DOT_DONE), phase)
         if it + 1 < num_chunks:
             next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
             _issue_state(v, v_new, h, vn_s, h_s, v_s, next_tok0, next_n_valid, (chunk0 + next_c) * HV + hv, hv,
                          bars, z, HV, K, V)
 
+        # dbeta and dg: this role's row sums with the pair and state roles'
+        mbarrier.wait(bars.index(PAIR_ROWS), phase)
+        row_ok = ri < n_valid
+        dbeta_t = gl.convert_layout(dbeta_v, rows_of) + row_sums.index(3 * phase + DBETA_ROWS).load(rows_of)
+        gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
+        if HAS_G:
+            state_dot = row_sums.index(3 * phase + STATE_DOT).load(rows_of)
+            gate += row_sums.index(3 * phase + GATE_ROWS).load(rows_of)
+            gate += gl.where(ri == n_valid - 1, gl.exp2(b2_last) * state_dot, 0.0)
+            # the reverse cumsum as a masked row sum (a scan over this layout does not lower)
+            gate_col = gl.convert_layout(gate, cols_of)
+            d_gate = _sum(gl.where(cj[None, :] >= ri[:, None], gate_col[None, :], 0.0), axis=1)
+            gl.store(dg + (tok0 + ri) * HV + hv, d_gate, mask=row_ok)
+
 
 @gluon.jit
-def _pair_role(q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b,
+def _pair_role(q, k, ai, do, dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b,
                t_b, dw_b, pg_b, m_b, row_sums, bars, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                V: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The pair side of each chunk (module docstring), and the loads of every next chunk's q, k,
@@ -240,35 +261,35 @@ def _pair_role(q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn
         mbarrier.wait(bars.index(D_READY), phase)
         dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                             is_async=True)
-        last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
         dkl = warpgroup_mma_wait(num_outstanding=0, deps=(dkl, vn_s, dh_s))[0]
         _signal(bars, D_FREE)
         dk_t = dkl * gl.convert_layout(gl.exp2(b2_last - b2), key_rows)[:, None]
-        last_extra += _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
+        last_extra = _sum(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), axis=0)
         # its intra part Pg^T q
         mbarrier.wait(bars.index(PG_READY), phase)
         dk_t = warpgroup_mma(pg_s.permute((1, 0)), q_s, dk_t, is_async=True)
         dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, pg_s, q_s))[0]
         gate = -gl.convert_layout(_sum(k_s.load(key_acc).to(gl.float32) * dk_t, axis=1), rows_of)
 
-        # dT = du (v beta)^T + dw (k e^B beta)^T, and the row sums of T^T dw . k e^B from dw k^T
+        # dT^T = diag(beta) (v du^T) + diag(e^B beta) (k dw^T): transposed, its scales are per row, and
+        # the row sums kb_i = e^(B_i) sum_j T_ji (dw k^T)_ji = e^(B_i) sum_j (T^T)_ij (k dw^T)_ij are
+        # within warps
         mbarrier.wait(bars.index(DU_READY), phase)
-        duv = warpgroup_mma(du_s, v_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
-                            use_acc=False, is_async=True)
-        duv = warpgroup_mma_wait(num_outstanding=0, deps=(duv, du_s, v_s))[0]
+        duv_t = warpgroup_mma(v_s, du_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                              use_acc=False, is_async=True)
+        duv_t = warpgroup_mma_wait(num_outstanding=0, deps=(duv_t, du_s, v_s))[0]
         _signal(bars, DU_FREE)
-        d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :]
+        d_tmat_t = duv_t * b_beta[:, None]
         mbarrier.wait(bars.index(DW_READY), phase)
-        dwk = warpgroup_mma(dw_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
-                            use_acc=False, is_async=True)
-        dwk = warpgroup_mma_wait(num_outstanding=0, deps=(dwk, dw_s, k_s))[0]
-        # kb_i = e^(B_i) sum_j T_ji (dw k^T)_ji
-        kb_row = gl.convert_layout(_sum(t_s.load(pair_acc).to(gl.float32) * dwk, axis=0), rows_of) * eb
-        d_tmat += dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
-        _publish(m_s, d_tmat.to(dt))  # M's reader (the value role's dv2) passed before DU_READY
+        dwk_t = warpgroup_mma(k_s, dw_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
+                              use_acc=False, is_async=True)
+        dwk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dwk_t, dw_s, k_s))[0]
+        kb_row = _sum(t_s.permute((1, 0)).load(pair_acc).to(gl.float32) * dwk_t, axis=1) * eb
+        d_tmat_t += dwk_t * (eb * b_beta)[:, None]
+        _publish(m_s, d_tmat_t.to(dt))  # M's reader (the value role's dv2) passed before DU_READY
 
         # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
-        tdt = warpgroup_mma(t_s.permute((1, 0)), m_s, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+        tdt = warpgroup_mma(t_s.permute((1, 0)), m_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                             is_async=True)
         kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                             is_async=True)
@@ -291,24 +312,17 @@ def _pair_role(q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn
         dk_t = warpgroup_mma(gl.convert_layout(t_scaled.to(dt), a_for_key), dw_s, dk_t, is_async=True)
         dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, m_s, k_s, dw_s))[0]
         gl.thread_barrier()
+        # q, k, T and do read out by the value and state roles too (and so the state role's
+        # sum(h . D) of this chunk is written before this role's arrival below)
+        mbarrier.wait(bars.index(KEYS_FREE), phase)
         if it + 1 < num_chunks:
-            # q, k, T and do read out by the value and state roles too
-            mbarrier.wait(bars.index(KEYS_FREE), phase)
             next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
             _issue_keys(q, k, ai, do, q_s, k_s, t_s, do_s, next_tok0, next_n_valid, head, hv, bars, z, HQ, HV, K, V)
+        row_sums.index(3 * phase + DBETA_ROWS).store(m_rows + kb_row)
+        gate += kb_row * b_beta + gl.where(ri == n_valid - 1, last_extra, 0.0)
+        row_sums.index(3 * phase + GATE_ROWS).store(gate)
+        _signal(bars, PAIR_ROWS)
         _store_rows(dk, dk_t, tok0, n_valid, HV, hv, K, z)
-
-        mbarrier.wait(bars.index(ROWS_READY), phase)
-        gate_q = row_sums.index(2 * phase).load(rows_of)
-        dbeta_t = row_sums.index(2 * phase + 1).load(rows_of) + m_rows + kb_row
-        row_ok = ri < n_valid
-        gl.store(dbeta + (tok0 + ri) * HV + hv, dbeta_t, mask=row_ok)
-        if HAS_G:
-            gate += gate_q + kb_row * b_beta + gl.where(ri == n_valid - 1, last_extra, 0.0)
-            # the reverse cumsum as a masked row sum (a scan over this layout does not lower)
-            gate_col = gl.convert_layout(gate, cols_of)
-            d_gate = _sum(gl.where(cj[None, :] >= ri[:, None], gate_col[None, :], 0.0), axis=1)
-            gl.store(dg + (tok0 + ri) * HV + hv, d_gate, mask=row_ok)
 
 
 @gluon.jit
@@ -344,13 +358,15 @@ def _state_offsets(seq_hv, row0: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
 
 
 @gluon.jit
-def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars, HV: gl.constexpr,
+def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, h_s, row_sums, bars, HV: gl.constexpr,
                 K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr,
                 STORE_DH0: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The state role (module docstring): D [K, V] as its warpgroup's MMA accumulators, rows
     0..63 and (K = 128) 64..127."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
-    dh_s, do_s, du_s, q_s, k_s = dh_s.index(0), do_s.index(0), du_s.index(0), q_s.index(0), k_s.index(0)
+    dh_s, do_s, du_s, q_s, k_s, h_s = dh_s.index(0), do_s.index(0), du_s.index(0), q_s.index(0), k_s.index(0), \
+        h_s.index(0)
+    rows_of: gl.constexpr = gl.SliceLayout(1, one_warpgroup_accumulator(CHUNK))
     state_acc: gl.constexpr = one_warpgroup_accumulator(V)
     if HAS_DHT:
         lo = gl.load(dht + _state_offsets(seq_hv, 0, K, V, state_acc, False))
@@ -363,6 +379,11 @@ def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, bars
     for it in range(0, num_chunks):
         c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         decay = gl.exp2(last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G))
+        # sum(h . D) for the gate's chunk-end term, from D's copy, while the others work
+        mbarrier.wait(bars.index(LOAD_STATE), it & 1)
+        state_dot = _state_dot(h_s, dh_s, K, V, 8, True)  # a slice at a time: beside D's 128 registers
+        row_sums.index(3 * (it & 1) + STATE_DOT).store(gl.zeros([CHUNK], gl.float32, rows_of) + state_dot)
+        _signal(bars, DOT_DONE)
         mbarrier.wait(bars.index(UPDATE_READY), it & 1)
         lo = _update_half(lo, decay, 0, q_s, k_s, do_s, du_s)
         if K == 2 * CHUNK:
@@ -402,17 +423,17 @@ def gdn_bwd_ws_kernel(q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, d
     dw_b = gl.allocate_shared_memory(dt, [1, CHUNK, K], key_smem)
     pg_b = gl.allocate_shared_memory(dt, [1, CHUNK, CHUNK], square_smem)
     m_b = gl.allocate_shared_memory(dt, [1, CHUNK, CHUNK], square_smem)  # M, then dT, then X
-    row_sums = gl.allocate_shared_memory(gl.float32, [4, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row_sums = gl.allocate_shared_memory(gl.float32, [6, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BARS):
         mbarrier.init(bars.index(i), count=_arrivals(i))
     gl.warp_specialize([
-        (_value_role, (q, k, v, v_new, h, do, ai, dq, dv, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
+        (_value_role, (q, k, v, v_new, h, do, ai, dq, dv, dbeta, dg, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
                        do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars,
                        HQ, HV, K, V, HAS_G, IS_VARLEN)),
-        (_pair_role, (q, k, ai, do, dk, dbeta, dg, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
+        (_pair_role, (q, k, ai, do, dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
                       q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars, HQ, HV, K, V, HAS_G, IS_VARLEN)),
-        (_state_role, (dht, dh0, g_cum, cu_seqlens, T, dh_b, do_b, du_b, q_b, k_b, bars, HV, K, V, HAS_G,
+        (_state_role, (dht, dh0, g_cum, cu_seqlens, T, dh_b, do_b, du_b, q_b, k_b, h_b, row_sums, bars, HV, K, V, HAS_G,
                        HAS_DHT, STORE_DH0, IS_VARLEN)),
     ], [4, 4], [PAIR_REGS, STATE_REGS])
 
