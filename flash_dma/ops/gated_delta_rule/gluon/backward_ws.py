@@ -13,9 +13,10 @@ accumulators (a split by columns would leave every product's accumulators live i
     pair role (4 warps)   dk's state and intra parts (v_new D^T, Pg^T q), dT (transposed, so that
                           its scales and row sums stay within warps), dA, dk's WY terms
                           (X k + X^T k + diag(e^B beta) T^T dw, T^T from registers) and its row
-                          sums of the gate and beta gradients; issues the next chunk's q, k, T, do
+                          sums of the gate and beta gradients
     state role (4 warps)  D = dh[c] in fp32 registers: publishes its bf16 copy and sum(h . D),
-                          then D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2)
+                          then D <- e^(B_last) D + q^T (scale e^B do) + k^T (-beta e^B T^T dv2);
+                          issues the next chunk's q, k, T, do
 The pair role's chain (dT, dA, its WY terms) is the longest, so the rest (dq, dbeta and dg, the
 state dot) sits with the other two. Tiles are single-buffered (twelve fill shared memory); each
 group is refilled once its last reader has passed. Row vectors cross through shared memory, a
@@ -27,7 +28,7 @@ mbarriers (one phase per chunk; arrivals per phase):
     D_READY     D's copy in dh_s (state, 1)             D_FREE      dh_s read (value, pair: 2)
     PG_READY    Pg in pg_s (value, 1)                   DU_READY    du in du_s, M read (value, 1)
     DW_READY    dw in dw_s (value, 1)                   DU_FREE     du, v, h, v_new read (pair, 1)
-    UPDATE_READY  the update's operands (value, 1)      KEYS_FREE   q, k, T, do, du read (value, state: 2)
+    UPDATE_READY  the update's operands (value, 1)      KEYS_FREE   q, k, T, do read (value, pair: 2)
     PAIR_ROWS   the pair role's row sums (pair, 1)      DOT_DONE    sum(h . D) written, h read (state, 1)
 """
 import torch
@@ -63,8 +64,8 @@ DBETA_ROWS = gl.constexpr(1)  # the pair role's part of dbeta
 STATE_DOT = gl.constexpr(2)  # sum(h . D) of the chunk (the state role's), in every row
 
 # registers a thread: the value role (the default partition) gets what these leave of the 504
-# (setmaxnreg's pool for 12 warps): 152
-PAIR_REGS = gl.constexpr(184)
+# (setmaxnreg's pool for 12 warps): 160
+PAIR_REGS = gl.constexpr(176)
 STATE_REGS = gl.constexpr(168)
 
 
@@ -229,13 +230,11 @@ def _value_role(q, k, v, v_new, h, do, ai, dq, dv, dbeta, dg, g_cum, beta, cu_se
 
 
 @gluon.jit
-def _pair_role(q, k, ai, do, dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b,
+def _pair_role(dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b,
                t_b, dw_b, pg_b, m_b, row_sums, bars, HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                V: gl.constexpr, HAS_G: gl.constexpr, IS_VARLEN: gl.constexpr):
-    """The pair side of each chunk (module docstring), and the loads of every next chunk's q, k,
-    T and do."""
+    """The pair side of each chunk (module docstring)."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
-    head = hv // (HV // HQ)
     dt: gl.constexpr = q_b.dtype
     key_acc: gl.constexpr = one_warpgroup_accumulator(K)
     pair_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
@@ -311,13 +310,7 @@ def _pair_role(q, k, ai, do, dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh
         dk_t = warpgroup_mma(m_s.permute((1, 0)), k_s, dk_t, is_async=True)
         dk_t = warpgroup_mma(gl.convert_layout(t_scaled.to(dt), a_for_key), dw_s, dk_t, is_async=True)
         dk_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, m_s, k_s, dw_s))[0]
-        gl.thread_barrier()
-        # q, k, T and do read out by the value and state roles too (and so the state role's
-        # sum(h . D) of this chunk is written before this role's arrival below)
-        mbarrier.wait(bars.index(KEYS_FREE), phase)
-        if it + 1 < num_chunks:
-            next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
-            _issue_keys(q, k, ai, do, q_s, k_s, t_s, do_s, next_tok0, next_n_valid, head, hv, bars, z, HQ, HV, K, V)
+        _signal(bars, KEYS_FREE)  # the state role reloads q, k, T and do
         row_sums.index(3 * phase + DBETA_ROWS).store(m_rows + kb_row)
         gate += kb_row * b_beta + gl.where(ri == n_valid - 1, last_extra, 0.0)
         row_sums.index(3 * phase + GATE_ROWS).store(gate)
@@ -358,14 +351,15 @@ def _state_offsets(seq_hv, row0: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
 
 
 @gluon.jit
-def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, h_s, row_sums, bars, HV: gl.constexpr,
-                K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr,
+def _state_role(q, k, ai, do, dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, h_s, t_s, row_sums, bars,
+                HQ: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr, HAS_DHT: gl.constexpr,
                 STORE_DH0: gl.constexpr, IS_VARLEN: gl.constexpr):
     """The state role (module docstring): D [K, V] as its warpgroup's MMA accumulators, rows
     0..63 and (K = 128) 64..127."""
     seq_hv, hv, bos, seq_len, num_chunks = sequence_of_program(cu_seqlens, T, HV, IS_VARLEN)
-    dh_s, do_s, du_s, q_s, k_s, h_s = dh_s.index(0), do_s.index(0), du_s.index(0), q_s.index(0), k_s.index(0), \
-        h_s.index(0)
+    head = hv // (HV // HQ)
+    dh_s, do_s, du_s, q_s, k_s, h_s, t_s = dh_s.index(0), do_s.index(0), du_s.index(0), q_s.index(0), k_s.index(0), \
+        h_s.index(0), t_s.index(0)
     rows_of: gl.constexpr = gl.SliceLayout(1, one_warpgroup_accumulator(CHUNK))
     state_acc: gl.constexpr = one_warpgroup_accumulator(V)
     if HAS_DHT:
@@ -389,8 +383,13 @@ def _state_role(dht, dh0, g_cum, cu_seqlens, T, dh_s, do_s, du_s, q_s, k_s, h_s,
         if K == 2 * CHUNK:
             hi = _update_half(hi, decay, CHUNK, q_s, k_s, do_s, du_s)
         lo, hi, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(lo, hi, q_s, k_s, do_s, du_s))
-        _signal(bars, KEYS_FREE)
         if it + 1 < num_chunks:
+            # the next chunk's q, k, T and do, once the value and pair roles have read them out
+            # (this role is idle here; the others' loads would sit on their chains)
+            mbarrier.wait(bars.index(KEYS_FREE), it & 1)
+            next_c, next_tok0, next_n_valid = _step(it + 1, num_chunks, bos, seq_len)
+            _issue_keys(q, k, ai, do, q_s, k_s, t_s, do_s, next_tok0, next_n_valid, head, hv, bars,
+                        _opaque_zero(it), HQ, HV, K, V)
             _publish_state(lo, hi, dh_s, bars, (it + 1) & 1, K)
     if STORE_DH0:
         gl.store(dh0 + _state_offsets(seq_hv, 0, K, V, state_acc, True), lo)
@@ -431,9 +430,10 @@ def gdn_bwd_ws_kernel(q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, d
         (_value_role, (q, k, v, v_new, h, do, ai, dq, dv, dbeta, dg, g_cum, beta, cu_seqlens, chunk_offsets, T, scale,
                        do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars,
                        HQ, HV, K, V, HAS_G, IS_VARLEN)),
-        (_pair_role, (q, k, ai, do, dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
+        (_pair_role, (dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
                       q_b, k_b, t_b, dw_b, pg_b, m_b, row_sums, bars, HQ, HV, K, V, HAS_G, IS_VARLEN)),
-        (_state_role, (dht, dh0, g_cum, cu_seqlens, T, dh_b, do_b, du_b, q_b, k_b, h_b, row_sums, bars, HV, K, V, HAS_G,
+        (_state_role, (q, k, ai, do, dht, dh0, g_cum, cu_seqlens, T, dh_b, do_b, du_b, q_b, k_b, h_b, t_b, row_sums,
+                       bars, HQ, HV, K, V, HAS_G,
                        HAS_DHT, STORE_DH0, IS_VARLEN)),
     ], [4, 4], [PAIR_REGS, STATE_REGS])
 
