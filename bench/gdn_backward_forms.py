@@ -30,6 +30,8 @@ SHAPES = [  # label, B, T, H, packed lengths or None
     ("B1 T8192 H16", 1, 8192, 16, None),
     ("varlen N20 T32768 H16", 1, 32768, 16, varlen_lengths(32768, VARLEN_SEED)),
     ("B16 T4096 H32", 16, 4096, 32, None),
+    ("B8 T4096 H16", 8, 4096, 16, None),
+    ("B2 T16384 H32", 2, 16384, 32, None),
 ]
 FORMS = {  # name: the overrides that select it
     "passes": dict(gdn_dhu_warp_roles=False, gdn_backward_warp_roles=False),

@@ -276,12 +276,18 @@ def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:
 
 
 # The whole backward after the state pass as one warp-role kernel (gluon/backward_ws.py), one
-# program per sequence x value head: until its GPU sweep, chosen only by override.
-BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM = None
+# program per sequence x value head, against the passes and the warp-role bwd_dhu
+# (bench/gdn_backward_forms.py, H200, public backward ms passes / warp-role bwd_dhu / this;
+# gdn-backward-forms-NVIDIA-H200-20261127.txt): from a wave of programs it wins (B8 T4096 H16,
+# 128 pairs: 1.509 / 1.438 / 0.995; B8 T4096 H32, 256: 2.991 / 2.869 / 1.984; 20 packed at H16,
+# 320: 1.705 / 1.650 / 1.345; B16 T4096 H32, 512: 5.952 / 5.683 / 4.212); at half a wave it
+# does not (B4 T4096 H16: 0.817 / 0.775 / 0.816; B2 T16384 H32: 3.153 / 3.021 / 3.222), nor
+# below (B2 T8192 H16, 32 pairs: 0.905 / 1.126 / 1.572).
+BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM = 0.9
 
 
 def backward_warp_roles_rule(pairs: int, device: torch.device) -> bool:
     """Where the fitting warp-role backward is chosen: from BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
-    (sequence x value head) programs a SM; never while that bound is unset."""
+    (sequence x value head) programs a SM; never where that bound is None."""
     bound = BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
     return bound is not None and pairs >= bound * device_info(device).sm_count

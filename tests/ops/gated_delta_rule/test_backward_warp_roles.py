@@ -7,6 +7,10 @@ for sm_90a on the CPU."""
 import pytest
 import torch
 
+from flash_dma.ops.gated_delta_rule import launch_table
+from flash_dma.ops.gated_delta_rule.layout import chunk_layout
+from flash_dma.ops.gated_delta_rule.plan import plan_call
+
 from .cases import (
     FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_refuses_a_cut,
     assert_same_gradients_as, check_case_with_choices, compile_for_sm90
@@ -34,6 +38,20 @@ def test_gpu_backward_warp_roles_matches_passes(name):
     """The warp-role kernel and the passes it replaces (local_dv, bwd_dhu, the chunk backward)
     give the same gradients."""
     assert_same_gradients_as(CASES[name], "gdn_backward_warp_roles", "the warp-role backward and the passes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
+def test_gpu_backward_warp_roles_rule_by_programs():
+    """From about a wave of (sequence, value head) programs; fewer: the passes."""
+    dev = torch.device("cuda")
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert launch_table.backward_warp_roles_rule(sm, dev)
+    assert not launch_table.backward_warp_roles_rule(sm // 2, dev)
+    q = torch.empty(8, 4096, 32, 128, dtype=torch.bfloat16, device=dev)
+    assert plan_call(q, q, True, False, chunk_layout(8, 4096, None)).backward_warp_roles.value is True
+    q = torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device=dev)
+    assert plan_call(q, q, True, False, chunk_layout(4, 4096, None)).backward_warp_roles.value is False
 
 
 def test_backward_warp_roles_forced_where_it_cannot_run():

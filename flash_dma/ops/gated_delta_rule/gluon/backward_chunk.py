@@ -18,27 +18,17 @@ waits for, which keeps them allocated until then (in straight-line code the comp
 ends a buffer's life at its last product's issue and may hand its memory to a layout
 conversion's scratch while the product still reads it). The loads are cp.async groups in the
 order of use: the state tiles' products start while q, k and T arrive. Row sums are few and
-late (each crosses the two warpgroups through shared memory). The same chunk math, in its
-SEQUENTIAL form, is the chunk role of backward_ws.py's one-kernel backward.
+late (each crosses the two warpgroups through shared memory). backward_ws.py splits the same math
+by product between warp roles, beside bwd_dhu's chain.
 """
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.launch import launch
 from .common import CHUNK, LOG2E, exp2_ftz
-
-# The sequential kernel's mbarriers between its chunk math and its state role (backward_ws.py),
-# indices into one array, one arrival each: D's bf16 copy published / read out, the update's
-# operands published / read out.
-BAR_D_READY = gl.constexpr(0)
-BAR_D_FREE = gl.constexpr(1)
-BAR_UPDATE_READY = gl.constexpr(2)
-BAR_UPDATE_DONE = gl.constexpr(3)
-NUM_BARS = gl.constexpr(4)
-
 
 @gluon.jit
 def _chunk_of_item(slot, bhv, chunk_map, cu_seqlens, T, HV: gl.constexpr, IS_VARLEN: gl.constexpr):
@@ -155,21 +145,10 @@ def _gamma(b2, ri, cj, n_valid, INCLUSIVE: gl.constexpr):
 
 
 @gluon.jit
-def _tiles_ready(group: gl.constexpr, SEQUENTIAL: gl.constexpr):
+def _tiles_ready(group: gl.constexpr):
     """Wait for the chunk's load group (0: do, v_new, h; 1: dv2, v; 2: dh; 3: q, k, T; cp.async
-    groups issued in that order). The sequential kernel (backward_ws.py) has waited for its tiles
-    before the chunk math."""
-    if not SEQUENTIAL:
-        _landed(3 - group)
-
-
-@gluon.jit
-def _scale_rows_in_place(smem, row_scale, D: gl.constexpr):
-    """smem [64, D] *= row_scale [64] per row, published for warpgroup MMA; every warp's earlier
-    reads of smem must be done."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [gl.num_warps(), 1], [1, 0])
-    tile = smem.load(layout).to(gl.float32) * gl.convert_layout(row_scale, gl.SliceLayout(1, layout))[:, None]
-    _publish(smem, tile.to(smem.dtype))
+    groups issued in that order)."""
+    _landed(3 - group)
 
 
 @gluon.jit
@@ -194,40 +173,11 @@ def _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s
 
 
 @gluon.jit
-def issue_key_tiles(q, k, ai, do, q_s, k_s, t_s, do_s, tok0, n_valid, head, hv, HQ: gl.constexpr,
-                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
-    """The sequential kernel's cp.async group of a chunk's q, k, T and do (by all warps)."""
-    _copy_rows(q_s, q, tok0, n_valid, HQ, head, K, gl.num_warps())
-    _copy_rows(k_s, k, tok0, n_valid, HQ, head, K, gl.num_warps())
-    _copy_rows(t_s, ai, tok0, n_valid, HV, hv, CHUNK, gl.num_warps())
-    _copy_rows(do_s, do, tok0, n_valid, HV, hv, V, gl.num_warps())
-    async_copy.commit_group()
-
-
-@gluon.jit
-def issue_state_tiles(v, v_new, h, vn_s, h_s, v_s, tok0, n_valid, state_index, hv, HV: gl.constexpr,
-                      K: gl.constexpr, V: gl.constexpr):
-    """The sequential kernel's cp.async group of a chunk's h (at state_index), v_new and v."""
-    _copy_state(h_s, h, state_index, K, V, gl.num_warps())
-    _copy_rows(vn_s, v_new, tok0, n_valid, HV, hv, V, gl.num_warps())
-    _copy_rows(v_s, v, tok0, n_valid, HV, hv, V, gl.num_warps())
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, bars, phase, zero,
-                    v, v_new, h, next_tok0, next_n_valid, next_state, has_next,
-                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr,
-                    SEQUENTIAL: gl.constexpr):
-    """One chunk's gradients from its tiles in shared memory (the module docstring's math).
-    SEQUENTIAL: the chunk math of backward_ws.py, which walks a sequence's chunks last to first:
-    dh_s holds the state role's bf16 copy of D = dh[c], this function forms du = dv2 itself
-    (before the math above), leaves scale e^B do in do_s and -beta e^B (T^T du) in du_s for the
-    state role's update of D, and arrives on `bars` (the BAR_* above, phase `phase`) as they
-    are consumed, and (has_next) issues the next chunk's h, v_new and v once they are read out
-    (rows next_tok0.., state next_state); else bars is None and the tiles come from
-    _issue_loads."""
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s,
+                    HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, HAS_G: gl.constexpr):
+    """One chunk's gradients from its tiles in shared memory (the module docstring's math), as
+    _issue_loads' groups land."""
     dt: gl.constexpr = q_s.dtype
     # WG warpgroups split every product's columns
     WG: gl.constexpr = gl.num_warps() // 4
@@ -245,10 +195,8 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     value_rows: gl.constexpr = gl.SliceLayout(1, value_acc)
 
     # the chunk's rows: gate cumsums (log2 units) and beta
-    # + zero: in a loop over chunks an opaque 0, so that what derives from these indices (masks,
-    # offsets) is formed per chunk, not hoisted out of the loop into registers it cannot spare
-    ri = gl.arange(0, CHUNK, layout=rows_of) + zero
-    cj = gl.arange(0, CHUNK, layout=cols_of) + zero
+    ri = gl.arange(0, CHUNK, layout=rows_of)
+    cj = gl.arange(0, CHUNK, layout=cols_of)
     row_ok = ri < n_valid
     b_beta = gl.load(beta + (tok0 + ri) * HV + hv, mask=row_ok, other=0.0).to(gl.float32)
     if HAS_G:
@@ -260,17 +208,15 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
         b2_last = 0.0
     eb = exp2_ftz(b2)  # e^B per row
     eb_k = gl.convert_layout(eb, key_rows)
-    if SEQUENTIAL:
-        _sequential_dv2(scale, b2, b2_last, ri, cj, n_valid, bars, phase, do_s, dh_s, du_s, q_s, k_s, dt_s, K, V)
 
     # the products of the state tiles first (do h^T, du h^T, vn dh^T, dP = do vn^T), so that
     # few accumulators live at once (registers)
-    _tiles_ready(0, SEQUENTIAL)
+    _tiles_ready(0)
     dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                        is_async=True)
     dqh = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
-    _tiles_ready(1, SEQUENTIAL)
+    _tiles_ready(1)
     dwa = warpgroup_mma(du_s, h_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp, do_s, vn_s))[0]
@@ -280,20 +226,14 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     dqh, dwa, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(dqh, dwa, do_s, h_s, du_s))
     # dw in the input dtype, as the Triton path keeps it between its passes
     _publish(dw_s, (-dwa).to(dt))
-    if SEQUENTIAL:
-        # the state role's B operand: every warp has waited for the products reading do
-        _scale_rows_in_place(do_s, eb * scale, V)
-    _tiles_ready(2, SEQUENTIAL)
+    _tiles_ready(2)
     dkl = warpgroup_mma(vn_s, dh_s.permute((1, 0)), gl.zeros([CHUNK, K], gl.float32, key_acc), use_acc=False,
                         is_async=True)
     last_extra = gl.exp2(b2_last) * _state_dot(h_s, dh_s, K, V)
     dkl = warpgroup_mma_wait(num_outstanding=0, deps=(dkl, vn_s, dh_s))[0]
-    if SEQUENTIAL:
-        gl.thread_barrier()  # dh_s's last readers were the state dot and dkl
-        mbarrier.arrive(bars.index(BAR_D_FREE))
 
     # dq = scale e^B (do h^T) + Pg k, finished before the next products (registers)
-    _tiles_ready(3, SEQUENTIAL)
+    _tiles_ready(3)
     dq_t = warpgroup_mma(gl.convert_layout(pg.to(dt), a_for_key), k_s, dqh * (eb_k * scale)[:, None],
                          is_async=True)
     dq_t = warpgroup_mma_wait(num_outstanding=0, deps=(dq_t, k_s))[0]
@@ -313,13 +253,6 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     dbeta_t = gl.convert_layout(_sum(dvb * v_s.load(value_acc).to(gl.float32), axis=1), rows_of)
     beta_v = gl.convert_layout(b_beta, value_rows)
     _store_rows(dv, dvb * beta_v[:, None], tok0, n_valid, HV, hv, V)
-    if SEQUENTIAL:
-        # -beta e^B (T^T du) for the state role's update; h, v_new and v are read out
-        gl.thread_barrier()
-        _publish(du_s, (dvb * (-beta_v * gl.convert_layout(eb, value_rows))[:, None]).to(dt))
-        mbarrier.arrive(bars.index(BAR_UPDATE_READY))
-        if has_next:
-            issue_state_tiles(v, v_new, h, vn_s, h_s, v_s, next_tok0, next_n_valid, next_state, hv, HV, K, V)
 
     # dT = du (v beta)^T + dw (k e^B beta)^T
     dwk = warpgroup_mma(dw_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
@@ -370,57 +303,24 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
 
 
 @gluon.jit
-def _sequential_dv2(scale, b2, b2_last, ri, cj, n_valid, bars, phase, do_s, dh_s, du_s, q_s, k_s, m_s,
-                    K: gl.constexpr, V: gl.constexpr):
-    """The sequential kernel's du = dv2 of the chunk into du_s, once its tiles and D's copy are
-    in: dv2 = e^(B_last - B) (k D) + M^T do, M = scale (q k^T) . e^(B_i - B_j) on j <= i of valid
-    rows i (the forward's attention matrix; staged in m_s)."""
-    WG: gl.constexpr = gl.num_warps() // 4
-    value_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                        instr_shape=[16, V // WG, 16])
-    pair_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                       instr_shape=[16, CHUNK // WG, 16])
-    _landed(0)
-    s = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                      is_async=True)
-    mbarrier.wait(bars.index(BAR_D_READY), phase)
-    kd = warpgroup_mma(k_s, dh_s, gl.zeros([CHUNK, V], gl.float32, value_acc), use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_s))[0]
-    _publish(m_s, (s * _gamma(b2, ri, cj, n_valid, True) * scale).to(m_s.dtype))
-    kd = warpgroup_mma_wait(num_outstanding=0, deps=(kd, k_s, dh_s))[0]
-    decay = gl.convert_layout(gl.where(ri < n_valid, exp2_ftz(b2_last - b2), 0.0), gl.SliceLayout(1, value_acc))
-    dv2 = warpgroup_mma(m_s.permute((1, 0)), do_s, kd * decay[:, None], is_async=True)
-    dv2 = warpgroup_mma_wait(num_outstanding=0, deps=(dv2, m_s, do_s))[0]
-    _publish(du_s, dv2.to(du_s.dtype))
-
-
-@gluon.constexpr_function
-def _tile_shape(rows, cols, one_more):
-    return [1, rows, cols] if one_more else [rows, cols]
-
-
-@gluon.jit
-def _allocate(dt: gl.constexpr, K: gl.constexpr, V: gl.constexpr, LEADING_ONE: gl.constexpr = False):
-    """The item's tiles and the on-chip operands formed from them. LEADING_ONE: each with a
-    leading dimension of one, for a loop over chunks that takes its views through an index the
-    compiler cannot see is zero (backward_ws.py), so that it forms the tiles' swizzled addresses
-    per chunk instead of hoisting them all out of the loop (spills)."""
+def _allocate(dt: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """The item's tiles and the on-chip operands formed from them."""
     key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, K], dt)
     value_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, V], dt)
     square_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], dt)
     state_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, V], dt)
-    return (gl.allocate_shared_memory(dt, _tile_shape(CHUNK, V, LEADING_ONE), value_smem),  # do
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, V, LEADING_ONE), value_smem),  # v_new
-            gl.allocate_shared_memory(dt, _tile_shape(K, V, LEADING_ONE), state_smem),  # h
-            gl.allocate_shared_memory(dt, _tile_shape(K, V, LEADING_ONE), state_smem),  # dh
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, V, LEADING_ONE), value_smem),  # du = dv2
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, V, LEADING_ONE), value_smem),  # v
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, K, LEADING_ONE), key_smem),  # q
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, K, LEADING_ONE), key_smem),  # k
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, CHUNK, LEADING_ONE), square_smem),  # T
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, K, LEADING_ONE), key_smem),  # dw
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, CHUNK, LEADING_ONE), square_smem),  # Pg, then X
-            gl.allocate_shared_memory(dt, _tile_shape(CHUNK, CHUNK, LEADING_ONE), square_smem))  # dT
+    return (gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # do
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # v_new
+            gl.allocate_shared_memory(dt, [K, V], state_smem),  # h
+            gl.allocate_shared_memory(dt, [K, V], state_smem),  # dh
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # du = dv2
+            gl.allocate_shared_memory(dt, [CHUNK, V], value_smem),  # v
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # q
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # k
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem),  # T
+            gl.allocate_shared_memory(dt, [CHUNK, K], key_smem),  # dw
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem),  # Pg, then X
+            gl.allocate_shared_memory(dt, [CHUNK, CHUNK], square_smem))  # dT
 
 
 @gluon.jit(do_not_specialize=["T"])
@@ -435,8 +335,7 @@ def gdn_bwd_chunk_kernel(q, k, v, v_new, h, dh, do, dv2, ai, g_cum, beta,
     _issue_loads(q, k, v, v_new, h, dh, do, dv2, ai, do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s,
                  hv, hv // (HV // HQ), tok0, n_valid, chunk, HQ, HV, K, V, gl.num_warps())
     _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale,
-                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, None, 0, 0,
-                    None, None, None, 0, 0, 0, False, HV, K, V, HAS_G, False)
+                    do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pair_s, dt_s, HV, K, V, HAS_G)
 
 
 def gradient_buffers(q, v, has_g: bool):
