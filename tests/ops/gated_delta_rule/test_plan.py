@@ -99,6 +99,9 @@ def test_profile_log_names_each_pass_once(monkeypatch, caplog):
     profile.refresh()
     try:
         dtype = DTYPES[-1]
+        # seeded: the inputs must not depend on the tests run before in the process (an unseeded
+        # draw once put bf16's dg at 1.59e-2 against its 1.5e-2 bound, on the GPU)
+        torch.manual_seed(0)
         inputs = make_inputs(1, 40, 1, 1, 16, 16, dtype, "g", False)
         with caplog.at_level(logging.INFO, logger="flash_dma"):
             for _ in range(2):
