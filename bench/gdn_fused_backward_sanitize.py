@@ -1,6 +1,7 @@
 """The gated delta rule's SM90 backward kernels on small cases, for compute-sanitizer (memcheck,
 racecheck): the fused chunk backward (gluon/backward_chunk.py, --choice gdn_fused_backward, the
-default) or the warp-role bwd_dhu (gluon/bwd_dhu_ws.py, --choice gdn_dhu_warp_roles); varlen with
+default), the warp-role bwd_dhu (gluon/bwd_dhu_ws.py, --choice gdn_dhu_warp_roles) or the warp-role
+backward (gluon/backward_ws.py, --choice gdn_backward_warp_roles); varlen with
 empty and single-token sequences, GQA, K = V = 64, V != K, a lone partial chunk. Each case's
 gradients are checked against the Triton passes (a sanitizer run that computes garbage is not a
 clean run); one line per case.
