@@ -145,6 +145,22 @@ def _gamma(b2, ri, cj, n_valid, INCLUSIVE: gl.constexpr):
 
 
 @gluon.jit
+def d_a_gated(t_s, d_tmat, k_s, b2, ri, cj, n_valid, pair_acc: gl.constexpr):
+    """-> (dAg, K K^T): dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma, with dT
+    the [64, 64] shared-memory operand d_tmat (a view: backward_ws.py keeps dT transposed)."""
+    tdt = warpgroup_mma(t_s.permute((1, 0)), d_tmat, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                        is_async=True)
+    kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
+                        is_async=True)
+    tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, d_tmat))[0]
+    a_for_pair: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pair_acc, k_width=2)
+    d_a = warpgroup_mma(gl.convert_layout(tdt.to(t_s.dtype), a_for_pair), t_s.permute((1, 0)),
+                        gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
+    d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
+    return -d_a * _gamma(b2, ri, cj, n_valid, False), kkt
+
+
+@gluon.jit
 def _tiles_ready(group: gl.constexpr):
     """Wait for the chunk's load group (0: do, v_new, h; 1: dv2, v; 2: dh; 3: q, k, T; cp.async
     groups issued in that order)."""
@@ -188,7 +204,6 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     pair_acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                        instr_shape=[16, CHUNK // WG, 16])
     a_for_key: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=key_acc, k_width=2)
-    a_for_pair: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pair_acc, k_width=2)
     rows_of: gl.constexpr = gl.SliceLayout(1, pair_acc)
     cols_of: gl.constexpr = gl.SliceLayout(0, pair_acc)
     key_rows: gl.constexpr = gl.SliceLayout(1, key_acc)
@@ -263,16 +278,7 @@ def _chunk_backward(dq, dk, dv, dbeta, dg, g_cum, beta, hv, tok0, n_valid, scale
     d_tmat = duv * gl.convert_layout(b_beta, cols_of)[None, :] + dwk * gl.convert_layout(eb * b_beta, cols_of)[None, :]
     _publish(dt_s, d_tmat.to(dt))
 
-    # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
-    tdt = warpgroup_mma(t_s.permute((1, 0)), dt_s, gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                        is_async=True)
-    kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                        is_async=True)
-    tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, dt_s))[0]
-    d_a = warpgroup_mma(gl.convert_layout(tdt.to(dt), a_for_pair), t_s.permute((1, 0)),
-                        gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
-    d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
-    d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
+    d_ag, kkt = d_a_gated(t_s, dt_s, k_s, b2, ri, cj, n_valid, pair_acc)
     m = d_ag * kkt
     m_rows = _sum(m, axis=1)
     dbeta_t += m_rows

@@ -38,7 +38,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrie
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ....runtime.launch import launch
-from .backward_chunk import _copy_rows, _copy_state, _gamma, _publish, _state_dot, _store_rows, _sum, gradient_buffers
+from .backward_chunk import (
+    _copy_rows, _copy_state, _gamma, _publish, _state_dot, _store_rows, _sum, d_a_gated, gradient_buffers
+)
 from .common import (
     CHUNK, first_chunk_state, gate_rows, last_gate, one_warpgroup_accumulator, register_a_operand, reverse_chunk,
     sequence_of_program
@@ -113,6 +115,22 @@ def _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b):
 
 
 @gluon.jit
+def _chunk_rows(g_cum, beta, tok0, n_valid, hv, z, bars, phase, pair_acc: gl.constexpr, HV: gl.constexpr,
+                HAS_G: gl.constexpr):
+    """A chunk's start in the value and pair roles: -> (row and column indices through the opaque
+    zero z, the gate cumsums B (log2 units), beta, B at the last row, e^B), once its tiles have
+    landed."""
+    ri = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, pair_acc)) + z
+    cj = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, pair_acc)) + z
+    b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, ri, HAS_G)
+    b2_last = last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G)
+    eb = gl.exp2(b2)
+    mbarrier.wait(bars.index(LOAD_KEYS), phase)
+    mbarrier.wait(bars.index(LOAD_STATE), phase)
+    return ri, cj, b2, b_beta, b2_last, eb
+
+
+@gluon.jit
 def _signal(bars, index: gl.constexpr):
     """Arrive once for the role, after every warp of it got here."""
     gl.thread_barrier()
@@ -146,14 +164,10 @@ def _value_role(q, k, v, v_new, h, do, ai, dq, dv, dbeta, dg, g_cum, beta, cu_se
         phase = it & 1
         c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         z = _opaque_zero(it)
-        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b)
-        ri = gl.arange(0, CHUNK, layout=rows_of) + z
-        cj = gl.arange(0, CHUNK, layout=cols_of) + z
-        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, ri, HAS_G)
-        b2_last = last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G)
-        eb = gl.exp2(b2)
-        mbarrier.wait(bars.index(LOAD_KEYS), phase)
-        mbarrier.wait(bars.index(LOAD_STATE), phase)
+        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b,
+                                                                                  q_b, k_b, t_b, dw_b, pg_b, m_b)
+        ri, cj, b2, b_beta, b2_last, eb = _chunk_rows(g_cum, beta, tok0, n_valid, hv, z, bars, phase, pair_acc, HV,
+                                                      HAS_G)
         s = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
                           is_async=True)
         dp = warpgroup_mma(do_s, vn_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc),
@@ -239,22 +253,16 @@ def _pair_role(dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
     key_acc: gl.constexpr = one_warpgroup_accumulator(K)
     pair_acc: gl.constexpr = one_warpgroup_accumulator(CHUNK)
     a_for_key: gl.constexpr = register_a_operand(key_acc)
-    a_for_pair: gl.constexpr = register_a_operand(pair_acc)
     rows_of: gl.constexpr = gl.SliceLayout(1, pair_acc)
-    cols_of: gl.constexpr = gl.SliceLayout(0, pair_acc)
     key_rows: gl.constexpr = gl.SliceLayout(1, key_acc)
     for it in range(0, num_chunks):
         phase = it & 1
         c, tok0, n_valid = _step(it, num_chunks, bos, seq_len)
         z = _opaque_zero(it)
-        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b, q_b, k_b, t_b, dw_b, pg_b, m_b)
-        ri = gl.arange(0, CHUNK, layout=rows_of) + z
-        cj = gl.arange(0, CHUNK, layout=cols_of) + z
-        b2, b_beta = gate_rows(g_cum, beta, tok0, n_valid, hv, HV, ri, HAS_G)
-        b2_last = last_gate(g_cum, tok0, n_valid, hv, HV, HAS_G)
-        eb = gl.exp2(b2)
-        mbarrier.wait(bars.index(LOAD_KEYS), phase)
-        mbarrier.wait(bars.index(LOAD_STATE), phase)
+        do_s, vn_s, h_s, dh_s, du_s, v_s, q_s, k_s, t_s, dw_s, pg_s, m_s = _views(z, do_b, vn_b, h_b, dh_b, du_b, v_b,
+                                                                                  q_b, k_b, t_b, dw_b, pg_b, m_b)
+        ri, cj, b2, b_beta, b2_last, eb = _chunk_rows(g_cum, beta, tok0, n_valid, hv, z, bars, phase, pair_acc, HV,
+                                                      HAS_G)
 
         # dk's state part e^(B_last - B) (v_new D^T) and the chunk-end terms of dB_last
         mbarrier.wait(bars.index(D_READY), phase)
@@ -287,16 +295,7 @@ def _pair_role(dk, g_cum, beta, cu_seqlens, T, do_b, vn_b, h_b, dh_b, du_b, v_b,
         d_tmat_t += dwk_t * (eb * b_beta)[:, None]
         _publish(m_s, d_tmat_t.to(dt))  # M's reader (the value role's dv2) passed before DU_READY
 
-        # dA = -T^T dT T^T on the strict lower triangle, dAg = dA . Gamma
-        tdt = warpgroup_mma(t_s.permute((1, 0)), m_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                            is_async=True)
-        kkt = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False,
-                            is_async=True)
-        tdt = warpgroup_mma_wait(num_outstanding=1, deps=(tdt, t_s, m_s))[0]
-        d_a = warpgroup_mma(gl.convert_layout(tdt.to(dt), a_for_pair), t_s.permute((1, 0)),
-                            gl.zeros([CHUNK, CHUNK], gl.float32, pair_acc), use_acc=False, is_async=True)
-        d_a, kkt, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(d_a, kkt, t_s, k_s))
-        d_ag = -d_a * _gamma(b2, ri, cj, n_valid, False)
+        d_ag, kkt = d_a_gated(t_s, m_s.permute((1, 0)), k_s, b2, ri, cj, n_valid, pair_acc)
         m = d_ag * kkt
         m_rows = _sum(m, axis=1)
         # rows and columns of m . beta (beta scales rows)
