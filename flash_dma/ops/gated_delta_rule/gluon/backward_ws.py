@@ -27,7 +27,7 @@ mbarriers (one phase per chunk; arrivals per phase):
                            role's 128 threads)
     D_READY     D's copy in dh_s (state, 1)             D_FREE      dh_s read (value, pair: 2)
     PG_READY    Pg in pg_s (value, 1)                   DU_READY    du in du_s, M read (value, 1)
-    DW_READY    dw in dw_s (value, 1)                   DU_FREE     du, v, h, v_new read (pair, 1)
+    DW_READY    dw in dw_s (value, 1)                   DU_FREE     du, v, v_new read (pair, 1)
     UPDATE_READY  the update's operands (value, 1)      KEYS_FREE   q, k, T, do read (value, pair: 2)
     PAIR_ROWS   the pair role's row sums (pair, 1)      DOT_DONE    sum(h . D) written, h read (state, 1)
 """
