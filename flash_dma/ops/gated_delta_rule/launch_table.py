@@ -277,17 +277,26 @@ def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:
 
 # The whole backward after the state pass as one warp-role kernel (gluon/backward_ws.py), one
 # program per sequence x value head, against the passes and the warp-role bwd_dhu
-# (bench/gdn_backward_forms.py, H200, public backward ms passes / warp-role bwd_dhu / this;
-# gdn-backward-forms-NVIDIA-H200-20261127.txt): from a wave of programs it wins (B8 T4096 H16,
-# 128 pairs: 1.509 / 1.438 / 0.995; B8 T4096 H32, 256: 2.991 / 2.869 / 1.984; 20 packed at H16,
-# 320: 1.705 / 1.650 / 1.345; B16 T4096 H32, 512: 5.952 / 5.683 / 4.212); at half a wave it
-# does not (B4 T4096 H16: 0.817 / 0.775 / 0.816; B2 T16384 H32: 3.153 / 3.021 / 3.222), nor
-# below (B2 T8192 H16, 32 pairs: 0.905 / 1.126 / 1.572).
-BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM = 0.9
+# (bench/gdn_backward_forms.py, public backward ms passes / warp-role bwd_dhu / this;
+# gdn-backward-forms-20261127.txt). H200: from a wave of programs it wins (B8 T4096 H16, 128
+# pairs: 1.509 / 1.438 / 0.995; B8 T4096 H32, 256: 2.991 / 2.869 / 1.984; 20 packed at H16, 320:
+# 1.705 / 1.650 / 1.345; B16 T4096 H32, 512: 5.952 / 5.683 / 4.212); at half a wave it does not
+# (B4 T4096 H16: 0.817 / 0.775 / 0.816; B2 T16384 H32: 3.153 / 3.021 / 3.222), nor below (B2 T8192
+# H16, 32 pairs: 0.905 / 1.126 / 1.572). H100, whose slower memory costs the passes more: it wins
+# from half a wave too (B4 T4096 H16: 1.179 / 0.913 / 0.847; B2 T16384 H32: 3.530 / 3.222 /
+# 3.181; B8 T4096 H32: 3.355 / 3.032 / 2.187), not below (B2 T8192 H16: 0.988 / 1.180 / 1.570).
+# Programs a SM from which it is chosen, by the card's name; other cards: the H200's.
+BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM = {"H100": 0.45, "H200": 0.9}
+
+
+def backward_warp_roles_bound(device: torch.device) -> float:
+    """(sequence x value head) programs a SM from which the warp-role backward is chosen."""
+    name = device_info(device).name
+    return next((bound for card, bound in BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM.items() if card in name),
+                BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM["H200"])
 
 
 def backward_warp_roles_rule(pairs: int, device: torch.device) -> bool:
-    """Where the fitting warp-role backward is chosen: from BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
-    (sequence x value head) programs a SM; never where that bound is None."""
-    bound = BACKWARD_WARP_ROLES_MIN_PAIRS_PER_SM
-    return bound is not None and pairs >= bound * device_info(device).sm_count
+    """Where the fitting warp-role backward is chosen: from backward_warp_roles_bound's programs a
+    SM."""
+    return pairs >= backward_warp_roles_bound(device) * device_info(device).sm_count

@@ -4,6 +4,8 @@ gradient of the op against the fp64 reference, fixed lengths and varlen with emp
 single-token sequences, GQA, K != V, K = V = 64, no gate, fp16, one chunk and a lone partial
 chunk; the same gradients as the passes it replaces; where it can be forced; and that it compiles
 for sm_90a on the CPU."""
+import math
+
 import pytest
 import torch
 
@@ -43,15 +45,18 @@ def test_gpu_backward_warp_roles_matches_passes(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
 def test_gpu_backward_warp_roles_rule_by_programs():
-    """From about a wave of (sequence, value head) programs; fewer: the passes."""
+    """From the card's bound of (sequence, value head) programs a SM (a wave on an H200, half a
+    wave on an H100); fewer: the passes."""
     dev = torch.device("cuda")
     sm = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert launch_table.backward_warp_roles_rule(sm, dev)
-    assert not launch_table.backward_warp_roles_rule(sm // 2, dev)
+    bound = launch_table.backward_warp_roles_bound(dev)
+    assert 0 < bound <= 1
+    assert launch_table.backward_warp_roles_rule(math.ceil(bound * sm), dev)
+    assert not launch_table.backward_warp_roles_rule(math.ceil(bound * sm) - 1, dev)
     q = torch.empty(8, 4096, 32, 128, dtype=torch.bfloat16, device=dev)
     assert plan_call(q, q, True, False, chunk_layout(8, 4096, None)).backward_warp_roles.value is True
-    q = torch.empty(4, 4096, 16, 128, dtype=torch.bfloat16, device=dev)
-    assert plan_call(q, q, True, False, chunk_layout(4, 4096, None)).backward_warp_roles.value is False
+    q = torch.empty(2, 8192, 16, 128, dtype=torch.bfloat16, device=dev)  # 32 programs
+    assert plan_call(q, q, True, False, chunk_layout(2, 8192, None)).backward_warp_roles.value is False
 
 
 def test_backward_warp_roles_forced_where_it_cannot_run():
