@@ -234,12 +234,17 @@ def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device:
 # bench/gdn_fused_backward.py (H200, K = V = 128, same run): the two kernels' 557 / 290 / 1118 /
 # 2270 us against 360 / 193 / 696 / 1358 us at B4 T4096 H16, B1 T8192 H16, B1 T32768 H16 and
 # B8 T4096 H32 (one program per chunk and value head at every size: it wins wherever it fits).
+def _backward_kernels_fit(K: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
+    """What the SM90 backward kernels share: an SM90 GPU, scalar gate or none, K 64 or 128,
+    16-bit inputs."""
+    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
+            and not has_gk and K in (64, 128) and dtype in (torch.float16, torch.bfloat16))
+
+
 def fused_backward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
     """Whether the fused chunk backward (gluon/backward_chunk.py: bwd_dqkw and bwd_wy in one
-    kernel) computes such a call: an SM90 GPU, scalar gate or none, K and V 64 or 128, 16-bit
-    inputs."""
-    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
-            and not has_gk and K in (64, 128) and V in (64, 128) and dtype in (torch.float16, torch.bfloat16))
+    kernel) computes such a call: _backward_kernels_fit, and V 64 or 128."""
+    return _backward_kernels_fit(K, dtype, has_gk, device) and V in (64, 128)
 
 
 # bwd_dhu taking on another pass's work, from bench/gdn_fused_backward.py (K = V = 128, backward
@@ -263,10 +268,9 @@ DHU_WARP_ROLES_MIN_TILES_PER_SM = 0.9
 
 
 def dhu_warp_roles_fit(K: int, V: int, dtype: torch.dtype, has_gk: bool, device: torch.device) -> bool:
-    """Whether the warp-role bwd_dhu computes such a call: an SM90 GPU, scalar gate or none, K 64
-    or 128, V a multiple of 64, 16-bit inputs."""
-    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
-            and not has_gk and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))
+    """Whether the warp-role bwd_dhu computes such a call: _backward_kernels_fit, and V a multiple
+    of 64."""
+    return _backward_kernels_fit(K, dtype, has_gk, device) and V % 64 == 0
 
 
 def dhu_warp_roles_rule(V: int, chains: int, device: torch.device) -> bool:

@@ -344,34 +344,35 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
 
 def _backward_warp_roles(K: int, V: int, pairs: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
                          device) -> Chosen:
-    """Whether the backward after the state pass is the one warp-role kernel
-    (gluon/backward_ws.py): launch_table's rule, or the override; a forced form the call cannot
-    take is an error, not a silent fallback."""
-    chosen = choice("gdn_backward_warp_roles")
-    fits = keep and cut is None and launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
-    if chosen.value is None:
-        return Chosen(fits and launch_table.backward_warp_roles_rule(pairs, device), "rule")
-    if chosen.value and not fits:
-        raise ValueError(
-            f"gdn_backward_warp_roles=True: the warp-role backward needs an SM90 GPU, no gk, K and V 64 or 128, "
-            f"16-bit inputs, T kept by the forward and bwd_dhu not cut into segments; got device {device}, gk "
-            f"{has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
-    return chosen
+    """Whether the backward after the state pass is the one warp-role kernel (gluon/backward_ws.py)."""
+    return _hopper_kernel(
+        "gdn_backward_warp_roles", keep and cut is None and launch_table.fused_backward_fits(K, V, dtype, has_gk, device),
+        lambda: launch_table.backward_warp_roles_rule(pairs, device),
+        "the warp-role backward needs an SM90 GPU, no gk, K and V 64 or 128, 16-bit inputs, T kept by the forward "
+        "and bwd_dhu not cut into segments",
+        f"device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
 
 
 def _dhu_warp_roles(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
                     device) -> Chosen:
-    """Whether bwd_dhu runs with warp roles (gluon/bwd_dhu_ws.py): launch_table's rule, or the
-    override; a forced form the call cannot take is an error, not a silent fallback."""
-    chosen = choice("gdn_dhu_warp_roles")
-    fits = keep and cut is None and launch_table.dhu_warp_roles_fit(K, V, dtype, has_gk, device)
+    """Whether bwd_dhu runs with warp roles (gluon/bwd_dhu_ws.py)."""
+    return _hopper_kernel(
+        "gdn_dhu_warp_roles", keep and cut is None and launch_table.dhu_warp_roles_fit(K, V, dtype, has_gk, device),
+        lambda: launch_table.dhu_warp_roles_rule(V, chains, device),
+        "the warp-role bwd_dhu needs an SM90 GPU, no gk, K 64 or 128, V a multiple of 64, 16-bit inputs, T kept by "
+        "the forward and bwd_dhu not cut into segments",
+        f"device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
+
+
+def _hopper_kernel(name: str, fits: bool, rule, needs: str, got: str) -> Chosen:
+    """A Gluon kernel's choice: where it fits, launch_table's rule (rule() -> bool), or the
+    override; a forced kernel the call cannot take is an error naming what it needs, not a silent
+    fallback."""
+    chosen = choice(name)
     if chosen.value is None:
-        return Chosen(fits and launch_table.dhu_warp_roles_rule(V, chains, device), "rule")
+        return Chosen(fits and rule(), "rule")
     if chosen.value and not fits:
-        raise ValueError(
-            f"gdn_dhu_warp_roles=True: the warp-role bwd_dhu needs an SM90 GPU, no gk, K 64 or 128, V a multiple "
-            f"of 64, 16-bit inputs, T kept by the forward and bwd_dhu not cut into segments; got device {device}, "
-            f"gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
+        raise ValueError(f"{name}={chosen.value!r}: {needs}; got {got}")
     return chosen
 
 
@@ -393,17 +394,11 @@ def _fused_forward(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool
 
 
 def _fused_backward(K: int, V: int, dtype: torch.dtype, has_gk: bool, device) -> Chosen:
-    """Whether the backward's dqkw and WY passes run fused: launch_table's rule, or the override;
-    a forced fusion the call cannot take is an error, not a silent fallback."""
-    chosen = choice("gdn_fused_backward")
-    fits = launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
-    if chosen.value is None:
-        return Chosen(fits, "rule")
-    if chosen.value and not fits:
-        raise ValueError(
-            f"gdn_fused_backward={chosen.value!r}: the fused backward needs an SM90 GPU, no gk, K and V 64 or 128 and 16-bit "
-            f"inputs; got device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
-    return chosen
+    """Whether the backward's dqkw and WY passes run fused (gluon/backward_chunk.py)."""
+    return _hopper_kernel(
+        "gdn_fused_backward", launch_table.fused_backward_fits(K, V, dtype, has_gk, device), lambda: True,
+        "the fused backward needs an SM90 GPU, no gk, K and V 64 or 128 and 16-bit inputs",
+        f"device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}")
 
 
 def _dhu_fold(name: str, excluded: bool) -> Chosen:
