@@ -32,10 +32,11 @@ BACKENDS = {"triton": SimpleNamespace(key_gates=key_gates, gate_pairs=gate_pairs
 
 
 def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, scale, store_wu: bool = True,
-             store_q_gated: bool = False):
+             store_q_gated: bool = False, decay_bound: torch.Tensor | None = None):
     """Gate cumsums, T = (I + A)^-1 per chunk, w and u (unless store_wu is False: returned as
     None) and, with gk, the gated query-key matrix and k e^(C_last - C) (and, with store_q_gated,
-    q e^C) per value head for the state passes; None without gk."""
+    q e^C) per value head for the state passes; None without gk. decay_bound: a buffer for each
+    chunk's transition bound (segments.py), or None."""
     ops = BACKENDS[plan.backend]
     ai = ops.wy_prepare.inverse_buffer(k, v.shape[2], gk is not None)
     g_cum = gk_cum = aqk = k_gated = q_gated = None
@@ -44,7 +45,7 @@ def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, sca
         # prepare program then only inverts and forms w, u (all in one program it spilled)
         g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, store_q_gated)
         aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g_cum, gk_cum, ai, scale)
-    g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu)
+    g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu, decay_bound)
     return g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated
 
 
@@ -63,17 +64,22 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
+    decay_bound = None
+    if plan.segment_chunks() is not None and plan.decay_reach_on():
+        decay_bound = torch.empty(layout.num_chunk_states, v.shape[2], device=k.device,
+                                  dtype=torch.float32)
     g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
-                                                        store_wu=not split and fused is None)
+                                                        store_wu=not split and fused is None,
+                                                        decay_bound=decay_bound)
     if fused is not None:
         o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
-                                            output_final_state, scale, fused)
+                                            output_final_state, scale, fused, decay_bound)
     else:
         if split and not plan.states_from_inverse.value:
             w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
         h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v,
                                                           beta, ai, w, u, g_cum, gk_cum, initial_state,
-                                                          output_final_state)
+                                                          output_final_state, decay_bound=decay_bound)
         del w, u, k_gated
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
     # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
@@ -84,7 +90,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
-                   store_final: bool, scale, form):
+                   store_final: bool, scale, form, decay_bound=None):
     """The state pass and output in one SM90 kernel (gluon/; form "ws": warp roles, else the
     one-role kernel's V tile): -> (o, final or None, segments or None). Where the plan cuts the
     sequences, the Triton state pass finds each segment's start (segments.py) and the fused
@@ -102,7 +108,7 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
         o, final = run(initial_state, store_final, order=plan.sequence_order(layout))
         return o, final, None
     seg, starts, transition, final = BACKENDS[plan.backend].state_pass.segment_starts(
-        plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment)
+        plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment, decay_bound)
     o, _ = run(starts, False, cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots)
     return o, final if store_final else None, (starts, transition)
 

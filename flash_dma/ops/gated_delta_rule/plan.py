@@ -10,6 +10,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
   gdn_backward_states_from_inverse   the same in the backward (the recompute writes w only);
   gdn_chunks_per_segment     the state passes cut each sequence into segments of this many chunks,
                              run side by side and joined (segments.py); None: not cut;
+  gdn_decay_reach            a cut's segments whose gates provably decay earlier state below
+                             fp32's range skip their transition and start their local pass late
+                             (segments.py: "Decayed segments"; scalar gate, no gk);
   gdn_fused_forward          the forward's state pass and output as one SM90 kernel: "ws" with
                              warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
@@ -80,6 +83,9 @@ declare_choice("gdn_dhu_warp_roles", None, (True, False),
 declare_choice("gdn_backward_warp_roles", None, (True, False),
                "the backward after the state pass as one Hopper kernel with warp roles (default: launch_table's "
                "rule)")
+declare_choice("gdn_decay_reach", None, (True, False),
+               "a cut's decayed segments skip their transition and start their local pass where earlier state no "
+               "longer reaches their end (default: on wherever it applies)")
 declare_choice("gdn_chunks_per_segment", None, (),
                "chunks per segment of the state passes' sequence split (0: not cut; default: the rule)")
 
@@ -111,6 +117,7 @@ class DeltaRulePlan:
     dhu_w_from_t: Chosen = Chosen(False, "table")  # bool: bwd_dhu reads T, not w (no recompute of w)
     dhu_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/bwd_dhu_ws.py (forms dv_local and w itself)
     backward_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/backward_ws.py (bwd_dhu + chunk backward)
+    decay_reach: Chosen = Chosen(False, "table")  # bool: the forward cut's decayed segments (segments.py)
 
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
@@ -153,6 +160,14 @@ class DeltaRulePlan:
         on = bool(self.backward_warp_roles.value)
         log_choice(OP, "backward.warp_roles", "gluon" if on else self.backend, self.info, self.shape,
                    "warp_roles warps=12" if on else "off", self.backward_warp_roles.source)
+        return on
+
+    def decay_reach_on(self) -> bool:
+        """Whether the forward's cut drops the transitions of segments that decay earlier state
+        below fp32's range (prepare writes each chunk's bound); logged like a launch."""
+        on = bool(self.decay_reach.value)
+        log_choice(OP, "fwd_h.decay_reach", self.backend, self.info, self.shape, "on" if on else "off",
+                   self.decay_reach.source)
         return on
 
     def dhu_local_dv_on(self) -> bool:
@@ -339,7 +354,22 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          dhu_warp_roles=_dhu_warp_roles(K, V, dhu_chains, dtype, has_gk, keep, dhu_segments.value,
                                                         device),
                          backward_warp_roles=_backward_warp_roles(K, V, pairs, dtype, has_gk, keep,
-                                                                  dhu_segments.value, device))
+                                                                  dhu_segments.value, device),
+                         decay_reach=_decay_reach(has_g, has_gk, segments.value))
+
+
+def _decay_reach(has_g: bool, has_gk: bool, cut) -> Chosen:
+    """Whether the forward's cut drops provably decayed transitions (segments.py): wherever a
+    cut has a scalar gate and no gk (the bound reads one decay per token); forced on elsewhere
+    it is an error."""
+    applies = cut is not None and has_g and not has_gk
+    chosen = choice("gdn_decay_reach")
+    if chosen.value is None:
+        return Chosen(applies, "rule")
+    if chosen.value and not applies:
+        raise ValueError(f"gdn_decay_reach=True: needs sequences cut into segments, a scalar gate g and no gk; got "
+                         f"cut {cut}, g {has_g}, gk {has_gk}")
+    return chosen
 
 
 def _backward_warp_roles(K: int, V: int, pairs: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,

@@ -12,9 +12,22 @@ the constant terms left out) and N its local end state (the state pass run from 
    sequence's initial state, giving every segment its true starting state and the final state;
 3. every segment runs once more from its true starting state, writing the per-chunk states.
 
-Exact: nothing is truncated, only regrouped. The backward's state-gradient pass is the same
+Exact: nothing is truncated, only regrouped (save what fp32 cannot hold; see Decayed segments
+below). The backward's state-gradient pass is the same
 recursion run right to left on transposed matrices, so it uses the same join with `reverse`.
 Context parallelism across GPUs (ranks instead of segments) joins with the same function.
+
+Decayed segments. With a scalar gate each token's map is S -> a_t (I - beta_t k_t k_t^T) S (plus
+its constant term), whose norm is at most a_t max(1, |1 - beta_t |k_t|^2|). Summing the logs of
+these bounds over chunks [c, e) bounds log |M_[c,e)|: where the bound of a whole segment is below
+NEGLIGIBLE_LOG_GAIN, its transition multiplies earlier state by less than fp32's smallest normal
+number, and its end state is the local pass from the latest chunk c whose bound to the end is
+below it too: S_e = M_[c,e) S_c + N_[c,e), the first term dropped. prepare writes each chunk's
+bound (key norms from its key products); segment_reach_kernel finds each segment's c, or -1
+where the segment's bound is not below it (its transition and full local pass then run as above).
+Nothing is dropped that fp32 could hold next to a state of comparable size (the unsplit pass
+loses it to rounding too); the dropped transition (zero) stays valid for the backward's reverse
+join, |M^T| = |M|.
 
 Segments start at chunk boundaries of their sequence, so chunk-local quantities (gate cumsums,
 the WY inverse) are the same whether a sequence is split or not. A sequence always has at least
@@ -34,6 +47,9 @@ from ...runtime.launch import launch
 from ...runtime.tensor_cache import TensorKeyedCache
 
 CHUNK = 64
+# e^-88 < 1.18e-38, fp32's smallest normal number: a segment whose transition bound is below
+# this carries nothing from earlier state that fp32 could add to a state of comparable size.
+NEGLIGIBLE_LOG_GAIN = -88.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,34 @@ def segments_of(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunk
             _FIXED_LAYOUTS.clear()
         found = _FIXED_LAYOUTS[key] = build()
     return found
+
+
+@triton.jit
+def segment_reach_kernel(decay_bound, seg_cu, seg_chunk_offsets, reach, HV: tl.constexpr,
+                         BLOCK: tl.constexpr, LOG_GAIN: tl.constexpr):
+    """One program per (segment slot, value head): reach = the latest chunk of the segment
+    (local index) from which its end state is the local pass alone, or -1 where the segment's
+    whole transition bound is not below LOG_GAIN (see "Decayed segments")."""
+    slot = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), CHUNK)
+    j = tl.arange(0, BLOCK)
+    chunk = tl.load(seg_chunk_offsets + slot).to(tl.int64) + j
+    bound = tl.load(decay_bound + chunk * HV + hv, mask=j < n, other=0.0)
+    to_end = tl.cumsum(bound, 0, reverse=True)  # bound of chunks [j, n)
+    latest = tl.max(tl.where((j < n) & (to_end < LOG_GAIN), j, -1), 0)
+    whole = tl.sum(bound, 0)
+    tl.store(reach + slot * HV + hv, tl.where((n > 0) & (whole < LOG_GAIN), latest, -1))
+
+
+def segment_reach(decay_bound: torch.Tensor, seg: SegmentLayout) -> torch.Tensor:
+    """decay_bound [chunks, HV] fp32 (prepare's per-chunk bounds) -> [num_slots, HV] int32: each
+    segment's first chunk of its local pass where its transition is dropped, else -1."""
+    HV = decay_bound.shape[1]
+    reach = torch.empty(seg.num_slots, HV, device=decay_bound.device, dtype=torch.int32)
+    launch(segment_reach_kernel, (seg.num_slots, HV), decay_bound, seg.cu_seqlens, seg.chunk_offsets, reach,
+           HV=HV, BLOCK=triton.next_power_of_2(seg.chunks_per_segment), LOG_GAIN=NEGLIGIBLE_LOG_GAIN)
+    return reach
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICE
 from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.ops.gated_delta_rule.layout import chunk_layout
-from flash_dma.runtime.config import overrides
+from flash_dma.runtime.config import Chosen, overrides
 
 from .cases import bound, check_dhu, check_errors, cu_from_lengths, dhu_inputs, make_inputs, run_op, run_reference
 
@@ -79,6 +79,95 @@ def test_split_equals_unsplit_and_reference(name, chunks_per_segment):
     check_errors({k: (split[k], reference[k]) for k in split}, dtype)
     # split against unsplit: the same bound as against fp64 (both round the same way)
     check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decayed segments (segments.py): transitions dropped where the gates provably decay them away
+
+def _reach_spy(monkeypatch):
+    """The reach arrays the state passes get (a list, filled as they run)."""
+    from flash_dma.ops.gated_delta_rule.triton import state_pass
+    seen = []
+
+    def spy(*args):
+        reach = real(*args)
+        seen.append(reach.clone())
+        return reach
+    real = state_pass.segment_reach
+    monkeypatch.setattr(state_pass, "segment_reach", spy)
+    return seen
+
+
+@pytest.mark.parametrize("lengths", [None, [70, 0, 1, 64, 400]], ids=["fixed", "varlen"])
+def test_decayed_segments_equal_unsplit_and_reference(monkeypatch, lengths):
+    """Strong decays (about e^-110 a chunk): every segment of two chunks runs its local pass
+    from its last chunk with no transition; outputs, final states and gradients still equal the
+    unsplit call and the fp64 reference. Keys of norm about 4 (|1 - beta |k|^2| up to 15 a
+    token) outgrow the same decays: no segment is dropped there."""
+    dtype = torch.float32
+    B, T = (1, sum(lengths)) if lengths else (2, 300)
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    for normalize_k, dropped in ((True, True), (False, False)):
+        torch.manual_seed(3)
+        inputs = make_inputs(B, T, 1, 2, 16, 16, dtype, "g", True, n_seqs=None if lengths is None else len(lengths),
+                             normalize_k=normalize_k, shifts=(-1.5, 5.0))
+        cotangents = [torch.randn(B, T, 2, 16, device=DEVICE, dtype=dtype), torch.randn_like(inputs["initial_state"])]
+        with overrides(gdn_chunks_per_segment=0):
+            unsplit = _results(inputs, cotangents, True, **kwargs)
+        reference = _results(inputs, cotangents, True, reference=True, **kwargs)
+        seen = _reach_spy(monkeypatch)
+        with overrides(gdn_chunks_per_segment=2):
+            split = _results(inputs, cotangents, True, **kwargs)
+        monkeypatch.undo()
+        assert seen, "the cut forward found no reach"
+        reach = seen[0]
+        if dropped:  # full segments start at their last chunk, one-chunk segments at it
+            assert (reach >= 0).any() and not (reach > 1).any(), reach
+        else:
+            assert (reach == -1).all(), reach
+        check_errors({k: (split[k], reference[k]) for k in split}, dtype)
+        check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
+
+
+def test_segment_reach_finds_the_latest_decayed_chunk():
+    """segment_reach_kernel against the rule it implements, on made-up chunk bounds: -1 where a
+    segment's whole bound is not below NEGLIGIBLE_LOG_GAIN, else the latest chunk whose bound to
+    the segment's end is (a growth in the middle can push an earlier chunk back above it)."""
+    from flash_dma.ops.gated_delta_rule.segments import NEGLIGIBLE_LOG_GAIN, segment_layout, segment_reach
+    lengths = [64 * 7, 64 * 3 + 5, 0, 1]
+    cu = cu_from_lengths(lengths)
+    seg = segment_layout(1, sum(lengths), cu, 3, torch.device(DEVICE))
+    torch.manual_seed(4)
+    chunks = sum(-(-n // 64) for n in lengths)
+    decay_bound = torch.randn(chunks, 3, device=DEVICE) * 60 - 30
+    got = segment_reach(decay_bound, seg).cpu()
+    seg_cu, offsets = seg.cu_seqlens.cpu().tolist(), seg.chunk_offsets.cpu().tolist()
+    b = decay_bound.cpu().double()
+    for slot in range(seg.num_slots):
+        n = -(-(seg_cu[slot + 1] - seg_cu[slot]) // 64)
+        for hv in range(3):
+            rows = b[offsets[slot]:offsets[slot] + n, hv] if n else b[:0, hv]
+            to_end = [float(rows[j:].sum()) for j in range(n)]
+            want = -1
+            if n and sum(rows.tolist()) < NEGLIGIBLE_LOG_GAIN:
+                want = max(j for j in range(n) if to_end[j] < NEGLIGIBLE_LOG_GAIN)
+            assert int(got[slot, hv]) == want, (slot, hv, rows.tolist())
+    assert (got >= 0).any() and (got == -1).any()  # the draw exercises both
+
+
+def test_decay_reach_plan():
+    """On wherever a cut has a scalar gate and no gk; forcing it elsewhere is an error."""
+    q = torch.zeros(1, 256, 1, 16, device=DEVICE)
+    layout = chunk_layout(1, 256, None)
+    with overrides(gdn_chunks_per_segment=2):
+        assert plan_call(q, q, True, False, layout).decay_reach.value is True
+        assert plan_call(q, q, False, False, layout).decay_reach.value is False
+        assert plan_call(q, q, True, True, layout).decay_reach.value is False
+        with overrides(gdn_decay_reach=False):
+            assert plan_call(q, q, True, False, layout).decay_reach == Chosen(False, "override")
+    assert plan_call(q, q, True, False, layout).decay_reach.value is False  # not cut
+    with overrides(gdn_decay_reach=True), pytest.raises(ValueError, match="gdn_decay_reach"):
+        plan_call(q, q, True, False, layout)
 
 
 @pytest.mark.parametrize("chunks_per_segment", [1, 2])
@@ -187,6 +276,26 @@ def test_gpu_split_equals_unsplit(name, chunks_per_segment):
     unsplit = _results(inputs, cotangents, states, **kwargs)
     with overrides(gdn_chunks_per_segment=chunks_per_segment):
         split = _results(inputs, cotangents, states, **kwargs)
+    errors = check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
+    assert all(e <= bound(k, dtype) for k, e in errors.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [2.0, -1.0], ids=["bench-decay", "strong-decay"])
+def test_gpu_rule_cut_with_decayed_segments_equals_unsplit(monkeypatch, shift):
+    """One long sequence cut by the rule, bf16, at the benchmark's decays (about e^-10 a chunk)
+    and stronger: its decayed segments drop their transitions, and every result still equals the
+    unsplit call."""
+    B, T, H, K = 1, 32768, 16, 128
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, H, K, K, dtype, "g", True, shifts=(shift, 5.0))
+    cotangents = [torch.randn(B, T, H, K, device=DEVICE, dtype=dtype), torch.randn_like(inputs["initial_state"])]
+    with overrides(gdn_chunks_per_segment=0):
+        unsplit = _results(inputs, cotangents, True)
+    seen = _reach_spy(monkeypatch)
+    split = _results(inputs, cotangents, True)
+    assert seen and (seen[0] >= 0).any(), "the rule's cut dropped no transition"
     errors = check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
     assert all(e <= bound(k, dtype) for k, e in errors.items())
 

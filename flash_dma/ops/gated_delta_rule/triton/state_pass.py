@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import segments_of
+from ..segments import segment_reach, segments_of
 from .common import (
     CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
     sequence_program, state_ptrs, store_tile
@@ -15,13 +15,13 @@ from .common import (
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_seqlens, chunk_offsets, T,
+def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reach, cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr,
                      HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
                      STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr,
                      STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
-                     H0_IDENTITY: tl.constexpr = False):
+                     H0_IDENTITY: tl.constexpr = False, USE_REACH: tl.constexpr = False):
     """One program per (V tile, sequence, head): the states h[c] at each chunk start and
     v_new = u - w h[c], chunk after chunk. BK covers all of K.
     With WU_FROM_T (scalar gate or none) w and u are not read: from the chunk's T,
@@ -34,7 +34,9 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
     head (gdn_chunk_cumsum_kernel writes it), with H = HV.
     Segments (segments.py) run it with STORE_STATES off (end state only, into ht), and for their
     transition M with H0_IDENTITY (the state starts as the identity; V is then K) and
-    CONSTANT_TERMS off (u, or v, taken as zero and not read)."""
+    CONSTANT_TERMS off (u, or v, taken as zero and not read). USE_REACH (segments): a decayed
+    segment (reach[segment, head] >= 0, segments.py) runs its local pass from chunk `reach` and
+    its transition as zero."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
@@ -42,7 +44,16 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, cu_s
         state = tl.where(krows[:, None] == vcols[None, :], 1.0, 0.0)
     else:
         state = initial_state(h0, seq, hv, HV, K, V, krows, vcols, HAS_H0)
-    for c in range(0, tl.cdiv(seq_len, CHUNK)):
+    n_chunks = tl.cdiv(seq_len, CHUNK)
+    c_first = 0
+    if USE_REACH:
+        first = tl.load(reach + seq * HV + hv)
+        if H0_IDENTITY:
+            state = tl.where(first >= 0, 0.0, state)
+            c_first = tl.where(first >= 0, n_chunks, 0)
+        else:
+            c_first = tl.maximum(first, 0)
+    for c in range(c_first, n_chunks):
         tok0 = bos + c * CHUNK
         n_valid = tl.minimum(seq_len - c * CHUNK, CHUNK).to(tl.int32)
         if STORE_STATES:
@@ -94,18 +105,18 @@ def _runner(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v
         ai = beta = None  # not read
     cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
 
-    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, **flags):
+    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, reach=None, **flags):
         launch(gdn_fwd_h_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht,
+               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reach,
                cu, offsets, T, H=H, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v,
                HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
                STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+               USE_REACH=reach is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     return run
 
 
 def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool,
-           known: tuple | None = None):
+           known: tuple | None = None, decay_bound: torch.Tensor | None = None):
     """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
     With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None,
     segments or None).
@@ -113,7 +124,9 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     each segment's end state from zero and its transition (from the identity), the join, then
     every segment again from its true start (segments.py). `segments` = (starts, transition)
     of that cut, fp32 [slots, HV, K, V] and [slots, HV, K, K]: the backward passes them back as
-    `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions."""
+    `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions.
+    decay_bound: prepare's per-chunk transition bounds where the plan drops decayed segments'
+    transitions (segments.py), else None."""
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     h = torch.empty(layout.num_chunk_states, HV, k.shape[3], V, device=dev, dtype=k.dtype)
@@ -131,28 +144,34 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     if known is not None:  # the forward's cut, its starts known: the last step only
         run(*slots, known[0], None)
         return h, v_new, None, known
-    starts, transition, final = _join(plan, seg, run, HV, k.shape[3], V, initial_state)
+    starts, transition, final = _join(plan, seg, run, HV, k.shape[3], V, initial_state, decay_bound)
     run(*slots, starts, None)
     return h, v_new, final if store_final else None, (starts, transition)
 
 
-def segment_starts(plan, layout: ChunkLayout, k, v, beta, ai, g_cum, initial_state, per_segment: int):
+def segment_starts(plan, layout: ChunkLayout, k, v, beta, ai, g_cum, initial_state, per_segment: int,
+                   decay_bound: torch.Tensor | None = None):
     """The cut alone, for a last pass of another kernel (the fused forward): each segment's end
-    state and transition from T, joined. -> (segment layout, starts, transitions, final)."""
+    state and transition from T, joined (decay_bound as for states). -> (segment layout, starts,
+    transitions, final)."""
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, k.device)
     run = _runner(plan, layout, k, v, beta, ai, None, None, g_cum, None, None, None)
-    starts, transition, final = _join(plan, seg, run, v.shape[2], k.shape[3], v.shape[3], initial_state)
+    starts, transition, final = _join(plan, seg, run, v.shape[2], k.shape[3], v.shape[3], initial_state,
+                                      decay_bound)
     return seg, starts, transition, final
 
 
-def _join(plan, seg, run, HV: int, K: int, V: int, initial_state):
+def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=None):
     """Each segment's end state from zero (states not stored) and its transition (from the
-    identity), joined (plan.join): -> (starts, transitions, final)."""
+    identity), joined (plan.join): -> (starts, transitions, final). With decay_bound, decayed
+    segments run their local pass from their reach and their transition as zero."""
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     dev = seg.cu_seqlens.device
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
-    run(*slots, None, local, STORE_STATES=False)
-    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True)
+    reach = None if decay_bound is None else segment_reach(decay_bound, seg)
+    run(*slots, None, local, STORE_STATES=False, reach=reach)
+    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True,
+        reach=reach)
     starts, final = plan.join(transition, local, seg, initial_state)
     return starts, transition, final

@@ -78,18 +78,29 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
     _store_square_block(base, m33, tok0, 3, 3, HV, hv, n_valid)
 
 
+@triton.jit
+def _log_growth(key_norm2, beta_rows):
+    """sum over rows of log max(1, |1 - beta |k|^2|): the log of a bound on the norms of the rows'
+    projections I - beta k k^T (rows past n_valid have beta 0 and add nothing)."""
+    return tl.sum(tl.maximum(tl.log(tl.abs(1.0 - beta_rows * key_norm2)), 0.0))
+
+
 @triton.jit(do_not_specialize=["T"])
-def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu_seqlens, T,
+def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chunk_map, cu_seqlens, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       STORE_WU: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
+                       STORE_WU: tl.constexpr, INVERSE_PRECISION: tl.constexpr,
+                       STORE_BOUND: tl.constexpr = False):
     """Per chunk: the scalar gate's cumsums, T = (I + A)^-1 (stored) and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
     gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
     INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
     With gk the gate cumsums and the gated key products A_raw (in `ai`) come from
-    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel: phase 1 only loads them."""
-    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel: phase 1 only loads them.
+    STORE_BOUND (scalar gate, no gk): the chunk's log bound on the norm of its state transition
+    into decay_bound [chunks, HV] (segments.py, "Decayed segments"), from the key norms on the
+    diagonals of the key products."""
+    hv, head, tok0, n_valid, chunk = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     sub = tl.arange(0, SUB)
     r0, r1, r2, r3 = sub, sub + SUB, sub + 2 * SUB, sub + 3 * SUB
     beta0 = load_vec(beta, tok0, r0, HV, hv, n_valid)
@@ -145,6 +156,16 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu_seq
             a31 += tl.dot(k3, tl.trans(k1))
             a32 += tl.dot(k3, tl.trans(k2))
             a33 += tl.dot(k3, tl.trans(k3))
+
+    if STORE_BOUND:
+        eye = sub[:, None] == sub[None, :]
+        growth = (_log_growth(tl.sum(tl.where(eye, a00, 0.0), 1), beta0)
+                  + _log_growth(tl.sum(tl.where(eye, a11, 0.0), 1), beta1)
+                  + _log_growth(tl.sum(tl.where(eye, a22, 0.0), 1), beta2)
+                  + _log_growth(tl.sum(tl.where(eye, a33, 0.0), 1), beta3))
+        # b3's last row is the sum of the chunk's gates (rows past n_valid load as zero)
+        decay = tl.sum(tl.where(sub == SUB - 1, b3, 0.0))
+        tl.store(decay_bound + chunk * HV + hv, decay + growth)
 
     # Phase 2: A = diag(beta) (products . Gamma), strictly lower; T = (I + A)^-1 blockwise.
     if HAS_G and not HAS_GK:
@@ -268,10 +289,11 @@ def inverse_buffer(k, HV: int, has_gk: bool):
     return torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=dtype)
 
 
-def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool):
+def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool, decay_bound=None):
     """T = (I + A)^-1 per chunk into ai, the scalar gate's cumsums (unless g_cum is given: with
-    gk they come from key_gate_cumsums) and, with store_wu, w and u. -> (g_cum, w, u); w, u None
-    without store_wu."""
+    gk they come from key_gate_cumsums), with store_wu w and u, and with decay_bound
+    ([layout.num_chunk_states, HV] fp32; scalar gate, no gk) each chunk's transition bound. -> (g_cum, w, u);
+    w, u None without store_wu."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -283,10 +305,10 @@ def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_w
     cfg = plan.launch(plan.prepare_pass)
     chunk_map, cu = chunk_args(layout)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
-           k, v, beta, g, g_cum, gk_cum, w, u, ai, chunk_map, cu, T,
+           k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
            IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=plan.inverse_precision,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           STORE_BOUND=decay_bound is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, w, u
 
 

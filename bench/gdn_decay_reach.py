@@ -1,0 +1,89 @@
+"""The forward's cut with and without dropping decayed segments' transitions (segments.py,
+"Decayed segments"), beside the uncut call: forward and forward + backward do_bench medians of
+the public op, bf16, K = V = 128, unit-norm keys, at the op report's decays (g = logsigmoid(x + 2),
+about e^-10 a chunk) and slow ones (logsigmoid(x + 7), about e^-0.06 a chunk: nothing decays
+away, the bound costs only its store). Outputs of each form compared with the uncut call's.
+
+    python bench/gdn_decay_reach.py [--out DIR]
+
+Writes DIR/gdn-decay-reach-<device>-<date>.txt.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from flash_dma import chunk_gated_delta_rule  # noqa: E402
+from flash_dma.benchmarks.common import write_lines  # noqa: E402
+from flash_dma.runtime.config import overrides  # noqa: E402
+
+SHAPES = [(1, 32768, 16), (1, 16384, 16), (2, 16384, 16)]  # B, T, H: sequences the rule cuts
+DECAYS = {"bench": 2.0, "slow": 7.0}
+FORMS = {  # name: overrides
+    "uncut": {"gdn_chunks_per_segment": 0},
+    "cut": {"gdn_decay_reach": False},
+    "cut+reach": {},
+}
+
+
+def make(B, T, H, shift, K=128, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    norm = torch.nn.functional.normalize
+    x = dict(q=norm(randn(B, T, H, K), dim=-1).to(dtype), k=norm(randn(B, T, H, K), dim=-1).to(dtype),
+             v=randn(B, T, H, K).to(dtype), g=torch.nn.functional.logsigmoid(randn(B, T, H) + shift),
+             beta=torch.rand(B, T, H, generator=gen, device="cuda").sigmoid().to(dtype))
+    return x, randn(B, T, H, K).to(dtype)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ns = ap.parse_args()
+    lines = [f"# decayed segments | {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+             f"{triton.__version__} | {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | bf16, "
+             "K = V = 128, public op, do_bench medians, ms",
+             f"| shape | decays | fwd {' / '.join(FORMS)} | fwd+bwd {' / '.join(FORMS)} | fwd+bwd speed-up of "
+             "cut+reach over cut / uncut | max rel. diff of o to uncut |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for B, T, H in SHAPES:
+        for decay, shift in DECAYS.items():
+            x, do = make(B, T, H, shift)
+            leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+            row = {}
+            for form, over in FORMS.items():
+                with overrides(**over):
+                    def fwd():
+                        return chunk_gated_delta_rule(*leaves.values())[0]
+
+                    def fwd_bwd():
+                        return torch.autograd.grad(fwd(), list(leaves.values()), do)
+                    with torch.no_grad():
+                        o = fwd().float()
+                        t_f = triton.testing.do_bench(fwd)
+                    fwd_bwd()
+                    t_fb = triton.testing.do_bench(fwd_bwd)
+                row[form] = (t_f, t_fb, o)
+            base = row["uncut"][2]
+            diffs = [((row[f][2] - base).norm() / base.norm()).item() for f in FORMS if f != "uncut"]
+            lines.append(f"| B{B} T{T} H{H} | {decay} | {' / '.join(f'{row[f][0]:.3f}' for f in FORMS)} | "
+                         f"{' / '.join(f'{row[f][1]:.3f}' for f in FORMS)} | "
+                         f"{row['cut'][1] / row['cut+reach'][1]:.2f}x / {row['uncut'][1] / row['cut+reach'][1]:.2f}x | "
+                         f"{' / '.join(f'{d:.1e}' for d in diffs)} |")
+            print(lines[-1], flush=True)
+            del row, base, leaves
+            torch.cuda.empty_cache()
+    print("\n".join(lines))
+    write_lines(ns.out, "gdn-decay-reach", lines)
+
+
+if __name__ == "__main__":
+    main()
