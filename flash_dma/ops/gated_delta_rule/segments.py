@@ -50,6 +50,7 @@ CHUNK = 64
 # e^-88 < 1.18e-38, fp32's smallest normal number: a segment whose transition bound is below
 # this carries nothing from earlier state that fp32 could add to a state of comparable size.
 NEGLIGIBLE_LOG_GAIN = -88.0
+_CHUNK = tl.constexpr(CHUNK)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def segment_reach_kernel(decay_bound, seg_cu, seg_chunk_offsets, reach, HV: tl.c
     whole transition bound is not below LOG_GAIN (see "Decayed segments")."""
     slot = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), CHUNK)
+    n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), _CHUNK)
     j = tl.arange(0, BLOCK)
     chunk = tl.load(seg_chunk_offsets + slot).to(tl.int64) + j
     bound = tl.load(decay_bound + chunk * HV + hv, mask=j < n, other=0.0)

@@ -297,6 +297,7 @@ sys.path.insert(0, sys.argv[1])
 import importlib
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 job = json.loads(sys.argv[2])
 module, name = job["kernel"].rsplit(".", 1)
@@ -304,7 +305,8 @@ kernel = getattr(importlib.import_module(module), name)
 signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]}}
 order = list(signature)
 aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
-compiled = triton.compile(GluonASTSource(kernel, signature, job["constants"], aligned),
+source = GluonASTSource if job["gluon"] else ASTSource
+compiled = triton.compile(source(kernel, signature, job["constants"], aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])
 from triton.tools.disasm import get_sass
 sass = get_sass(compiled.asm["cubin"])
@@ -313,8 +315,9 @@ print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metad
 """
 
 
-def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict) -> dict:
-    """Compile a Gluon kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
+def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict, options: dict,
+                     gluon: bool = True) -> dict:
+    """Compile a Gluon (or with gluon False, Triton) kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
     ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes, "mmas": warpgroup MMA instructions,
     "mma_waits": waits for them in the SASS}. In a fresh process without
     TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
@@ -328,7 +331,7 @@ def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict
     root = str(Path(__file__).resolve().parents[3])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     job = json.dumps({"kernel": kernel, "pointers": pointers, "scalars": scalars, "constants": constants,
-                      "options": options})
+                      "options": options, "gluon": gluon})
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, root, job], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{kernel} did not compile for sm_90a:\n{proc.stderr[-4000:]}"

@@ -10,7 +10,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.ops.gated_delta_rule.layout import chunk_layout
 from flash_dma.runtime.config import Chosen, overrides
 
-from .cases import bound, check_dhu, check_errors, cu_from_lengths, dhu_inputs, make_inputs, run_op, run_reference
+from .cases import (bound, check_dhu, check_errors, compile_for_sm90, cu_from_lengths, dhu_inputs, make_inputs, run_op,
+                    run_reference)
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None, extra overrides, split counts)
     # Split counts: 1, segments of one chunk; 3, a last segment shorter than a chunk (where a
@@ -153,6 +154,36 @@ def test_segment_reach_finds_the_latest_decayed_chunk():
                 want = max(j for j in range(n) if to_end[j] < NEGLIGIBLE_LOG_GAIN)
             assert int(got[slot, hv]) == want, (slot, hv, rows.tolist())
     assert (got >= 0).any() and (got == -1).any()  # the draw exercises both
+
+
+@pytest.mark.parametrize("kernel", ["reach", "prepare", "local", "transition"])
+def test_decayed_segment_kernels_compile_for_sm90(kernel):
+    """What the interpreter lets pass (globals, a runtime loop start) compiles for sm_90a: the
+    reach kernel, prepare storing the bounds, the state pass's local and transition runs from
+    the reach."""
+    seg = {"seg_cu": "*i32", "seg_chunk_offsets": "*i32"}
+    if kernel == "reach":
+        args = ("segments.segment_reach_kernel", {"decay_bound": "*fp32", **seg, "reach": "*i32"}, {},
+                {"HV": 4, "BLOCK": 64, "LOG_GAIN": -88.0})
+    elif kernel == "prepare":
+        pointers = {n: "*bf16" for n in ("k", "v", "beta")}
+        pointers.update({"g": "*fp32", "g_cum": "*fp32", "gk_cum": "*fp32", "w": "*bf16", "u": "*bf16",
+                         "ai": "*bf16", "decay_bound": "*fp32", "chunk_map": "*i32", "cu_seqlens": "*i32"})
+        args = ("triton.wy_prepare.gdn_prepare_kernel", pointers, {"T": "i32"},
+                {"H": 2, "HV": 4, "K": 128, "V": 128, "BK": 64, "BV": 64, "HAS_G": True, "HAS_GK": False,
+                 "IS_VARLEN": False, "STORE_WU": False, "INVERSE_PRECISION": "ieee", "STORE_BOUND": True})
+    else:
+        pointers = {n: "*bf16" for n in ("k", "w", "u", "v", "beta", "ai")}
+        pointers.update({"g_cum": "*fp32", "gk_cum": "*fp32", "h0": "*fp32", "h": "*bf16", "v_new": "*bf16",
+                         "ht": "*fp32", "reach": "*i32", "cu_seqlens": "*i32", "chunk_offsets": "*i32"})
+        args = ("triton.state_pass.gdn_fwd_h_kernel", pointers, {"T": "i32"},
+                {"H": 2, "HV": 4, "K": 128, "V": 128, "BK": 128, "BV": 64, "HAS_G": True, "HAS_GK": False,
+                 "HAS_H0": False, "STORE_HT": True, "WU_FROM_T": True, "IS_VARLEN": True, "STORE_STATES": False,
+                 "CONSTANT_TERMS": kernel == "local", "H0_IDENTITY": kernel == "transition", "USE_REACH": True})
+    name, pointers, scalars, constants = args
+    compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.{name}", pointers, scalars, constants,
+                                {"num_warps": 4}, gluon=False)
+    assert compiled["cubin"]
 
 
 def test_decay_reach_plan():
