@@ -60,6 +60,18 @@ def test_fp32_inputs():
     check_against_reference(inputs, dtype)
 
 
+@pytest.mark.parametrize("local_dv", [True, False], ids=["dhu-forms-dv", "dv-pass"])
+def test_strong_scalar_decay_with_a_short_last_chunk(local_dv):
+    """A scalar log decay of about -1.8 a token (a chunk's cumsum near -115) and a last chunk of
+    44 rows: rows past its end must not raise e^(-B_j) (inf, then NaN in their zero products:
+    once in the local dv pass and in the backward's pair products on the GPU)."""
+    dtype = torch.float32
+    torch.manual_seed(3)
+    inputs = make_inputs(2, 300, 1, 2, 16, 16, dtype, "g", True, shifts=(-1.5, 5.0))
+    with overrides(gdn_dhu_local_dv=local_dv):
+        check_against_reference(inputs, dtype)
+
+
 @pytest.mark.parametrize("gate", ["gk", "g+gk"])
 def test_strong_per_key_decay(gate):
     """Kimi Delta Attention with a per-key log decay of -12 to -20 per token on half the key
@@ -261,6 +273,19 @@ def test_gpu_first_call_compiles_every_kernel_ahead(gate, monkeypatch):
     inputs = make_inputs(1, 300, 3, 3, 96, 64, torch.bfloat16, gate, True)
     check_against_reference(inputs, torch.bfloat16, output_final_state=True)
     assert not late, f"during the real call: {late}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K, dtype, local_dv", [(16, torch.float32, False), (64, torch.bfloat16, False),
+                                                (64, torch.bfloat16, True), (128, torch.bfloat16, None)])
+def test_gpu_strong_scalar_decay_with_a_short_last_chunk(K, dtype, local_dv):
+    """As test_strong_scalar_decay_with_a_short_last_chunk, compiled, at a GDN layer's strongest
+    decays (-16 softplus(x) a token) and with the Hopper kernels the plan picks at K = 128."""
+    torch.manual_seed(3)
+    inputs = make_inputs(2, 4000, 2, 2, K, K, dtype, "g", True)
+    inputs["g"] = -16 * torch.nn.functional.softplus(torch.randn_like(inputs["g"]))
+    with overrides(**({} if local_dv is None else {"gdn_dhu_local_dv": local_dv})):
+        check_against_reference(inputs, dtype)
 
 
 @pytest.mark.gpu

@@ -70,7 +70,7 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
     else:
         if HAS_G:
             b_row = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-            pg = dpa * scalar_gamma(b_row, b_row, True) * scale
+            pg = dpa * scalar_gamma(b_row, b_row, True, rows < n_valid) * scale
         else:
             pg = tl.where(rows[:, None] >= rows[None, :], dpa * scale, 0.0)
         # the intra-chunk parts accumulate into dq and dk themselves (one live tile each); the

@@ -66,7 +66,7 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
     else:
         if HAS_G:
             b_row = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-            d_ag = d_a * scalar_gamma(b_row, b_row, False)
+            d_ag = d_a * scalar_gamma(b_row, b_row, False, rows < n_valid)
         else:
             d_ag = d_a
         dbeta_t += tl.sum(d_ag * kkt, axis=1)

@@ -194,15 +194,17 @@ def last_row_of(x, n_valid):
 
 
 @triton.jit
-def scalar_gamma(bi, bj, INCLUSIVE: tl.constexpr):
-    """e^(b_i - b_j) on the (strictly or inclusively) lower triangle of a square block, else 0."""
+def scalar_gamma(bi, bj, INCLUSIVE: tl.constexpr, valid_i):
+    """e^(b_i - b_j) on the (strictly or inclusively) lower triangle of a square block where row i
+    is valid (valid_i), else 0. Rows past the chunk's end load b = 0: their exponent -b_j would
+    overflow once the chunk's decay passes e^-88, and inf times their zero products is NaN."""
     n: tl.constexpr = bi.shape[0]
     idx = tl.arange(0, n)
     if INCLUSIVE:
         keep = idx[:, None] >= idx[None, :]
     else:
         keep = idx[:, None] > idx[None, :]
-    return tl.exp(tl.where(keep, bi[:, None] - bj[None, :], float("-inf")))
+    return tl.exp(tl.where(keep & valid_i[:, None], bi[:, None] - bj[None, :], float("-inf")))
 
 
 @triton.jit

@@ -29,7 +29,7 @@ def _intra_matrix(q, k, g_cum, aqk, tok0, hv, head, n_valid, scale,
                         tl.trans(load_tile(k, tok0, rows, H, head, K, cols, n_valid)))
         if HAS_G:
             bt = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-            return p * scalar_gamma(bt, bt, True) * scale
+            return p * scalar_gamma(bt, bt, True, rows < n_valid) * scale
         else:
             return tl.where(rows[:, None] >= rows[None, :], p * scale, 0.0)
 

@@ -79,6 +79,13 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
 
 
 @triton.jit
+def _block_gamma(bi, bj, valid_i):
+    """e^(b_i - b_j) between a later block's rows i and an earlier block's rows j, 0 on rows i
+    past the chunk's end (see scalar_gamma)."""
+    return tl.exp(tl.where(valid_i[:, None], bi[:, None] - bj[None, :], float("-inf")))
+
+
+@triton.jit
 def _log_growth(key_norm2, beta_rows):
     """sum over rows of log max(1, |1 - beta |k|^2|): the log of a bound on the norms of the rows'
     projections I - beta k k^T (rows past n_valid have beta 0 and add nothing)."""
@@ -169,16 +176,16 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
 
     # Phase 2: A = diag(beta) (products . Gamma), strictly lower; T = (I + A)^-1 blockwise.
     if HAS_G and not HAS_GK:
-        a00 = a00 * scalar_gamma(b0, b0, False)
-        a11 = a11 * scalar_gamma(b1, b1, False)
-        a22 = a22 * scalar_gamma(b2, b2, False)
-        a33 = a33 * scalar_gamma(b3, b3, False)
-        a10 = a10 * tl.exp(b1[:, None] - b0[None, :])
-        a20 = a20 * tl.exp(b2[:, None] - b0[None, :])
-        a21 = a21 * tl.exp(b2[:, None] - b1[None, :])
-        a30 = a30 * tl.exp(b3[:, None] - b0[None, :])
-        a31 = a31 * tl.exp(b3[:, None] - b1[None, :])
-        a32 = a32 * tl.exp(b3[:, None] - b2[None, :])
+        a00 = a00 * scalar_gamma(b0, b0, False, r0 < n_valid)
+        a11 = a11 * scalar_gamma(b1, b1, False, r1 < n_valid)
+        a22 = a22 * scalar_gamma(b2, b2, False, r2 < n_valid)
+        a33 = a33 * scalar_gamma(b3, b3, False, r3 < n_valid)
+        a10 = a10 * _block_gamma(b1, b0, r1 < n_valid)
+        a20 = a20 * _block_gamma(b2, b0, r2 < n_valid)
+        a21 = a21 * _block_gamma(b2, b1, r2 < n_valid)
+        a30 = a30 * _block_gamma(b3, b0, r3 < n_valid)
+        a31 = a31 * _block_gamma(b3, b1, r3 < n_valid)
+        a32 = a32 * _block_gamma(b3, b2, r3 < n_valid)
     else:
         strict = sub[:, None] > sub[None, :]
         a00 = tl.where(strict, a00, 0.0)
