@@ -60,7 +60,8 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
             output_final_state: bool):
     """-> (o, final state or None, g_cum and T where the backward reuses them, else None,
-    segments: (starts, transitions) of a sequence split of the state pass, else None)."""
+    segments: (starts, transitions, backward reach or None) of a sequence split of the state pass,
+    else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -107,16 +108,17 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
     if per_segment is None:
         o, final = run(initial_state, store_final, order=plan.sequence_order(layout))
         return o, final, None
-    seg, starts, transition, final = BACKENDS[plan.backend].state_pass.segment_starts(
+    seg, starts, transition, final, reach_back = BACKENDS[plan.backend].state_pass.segment_starts(
         plan, layout, k, v, beta, ai, g_cum, initial_state, per_segment, decay_bound)
     o, _ = run(starts, False, cu_seqlens=seg.cu_seqlens, num_seqs=seg.num_slots)
-    return o, final if store_final else None, (starts, transition)
+    return o, final if store_final else None, (starts, transition, reach_back)
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
              g_cum, ai, segments=None):
     """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
-    the forward's (starts, transitions) of its sequence split, or None (recomputed)."""
+    the forward's (starts, transitions, backward reach or None) of its sequence split, or None
+    (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
@@ -157,6 +159,7 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
         dh, dh0, dv2 = ops.bwd_dhu.bwd_dhu(plan, layout, q if q_gated is None else q_gated, k_states, w, do,
                                            dv_local, g_cum, gk_cum, dht, initial_state is not None, scale,
                                            forward_transition=None if segments is None else segments[1],
+                                           reverse_reach=None if segments is None else segments[2],
                                            local_dv_dtype=v.dtype if fold_dv else None,
                                            inverse=(ai, beta) if w is None else None)
     # what the passes below do not read is freed before they allocate (peak memory)
@@ -233,15 +236,15 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
         o, final, g_cum, ai, segments, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
                                                                   output_final_state, cu_seqlens)
-        seg_starts, seg_transitions = segments if segments is not None else (None, None)
-        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions)
+        seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions, seg_reach)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions = ctx.saved_tensors
-        segments = None if seg_starts is None else (seg_starts, seg_transitions)
+        q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions, seg_reach = ctx.saved_tensors
+        segments = None if seg_starts is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
                                                        initial_state, g_cum, ai, do, dht, segments)
         return first_order_only("chunk_gated_delta_rule",

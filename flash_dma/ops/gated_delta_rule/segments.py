@@ -25,6 +25,9 @@ number, and its end state is the local pass from the latest chunk c whose bound 
 below it too: S_e = M_[c,e) S_c + N_[c,e), the first term dropped. prepare writes each chunk's
 bound (key norms from its key products); segment_reach_kernel finds each segment's c, or -1
 where the segment's bound is not below it (its transition and full local pass then run as above).
+The backward's right-to-left pass mirrors it: the state gradient at a segment's start is its
+local pass over the leading chunks [s, c') alone, c' the first chunk end whose bound from the
+start is below NEGLIGIBLE_LOG_GAIN (the forward keeps these with its cut).
 Nothing is dropped that fp32 could hold next to a state of comparable size (the unsplit pass
 loses it to rounding too); the dropped transition (zero) stays valid for the backward's reverse
 join, |M^T| = |M|.
@@ -143,29 +146,37 @@ def segments_of(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunk
 
 @triton.jit
 def segment_reach_kernel(decay_bound, seg_cu, seg_chunk_offsets, reach, HV: tl.constexpr,
-                         BLOCK: tl.constexpr, LOG_GAIN: tl.constexpr):
-    """One program per (segment slot, value head): reach = the latest chunk of the segment
-    (local index) from which its end state is the local pass alone, or -1 where the segment's
-    whole transition bound is not below LOG_GAIN (see "Decayed segments")."""
+                         BLOCK: tl.constexpr, LOG_GAIN: tl.constexpr, REVERSE: tl.constexpr):
+    """One program per (segment slot, value head), -1 where the segment's whole transition bound
+    is not below LOG_GAIN (see "Decayed segments"), else: the latest chunk of the segment (local
+    index) from which its end state is the local pass alone; with REVERSE, for the backward's
+    right-to-left pass, the fewest leading chunks whose local pass alone gives the state
+    gradient at its start."""
     slot = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), _CHUNK)
     j = tl.arange(0, BLOCK)
     chunk = tl.load(seg_chunk_offsets + slot).to(tl.int64) + j
     bound = tl.load(decay_bound + chunk * HV + hv, mask=j < n, other=0.0)
-    to_end = tl.cumsum(bound, 0, reverse=True)  # bound of chunks [j, n)
-    latest = tl.max(tl.where((j < n) & (to_end < LOG_GAIN), j, -1), 0)
+    if REVERSE:
+        from_start = tl.cumsum(bound, 0)  # bound of chunks [0, j]
+        found = tl.min(tl.where((j < n) & (from_start < LOG_GAIN), j + 1, BLOCK + 1), 0)
+    else:
+        to_end = tl.cumsum(bound, 0, reverse=True)  # bound of chunks [j, n)
+        found = tl.max(tl.where((j < n) & (to_end < LOG_GAIN), j, -1), 0)
     whole = tl.sum(bound, 0)
-    tl.store(reach + slot * HV + hv, tl.where((n > 0) & (whole < LOG_GAIN), latest, -1))
+    tl.store(reach + slot * HV + hv, tl.where((n > 0) & (whole < LOG_GAIN), found, -1))
 
 
-def segment_reach(decay_bound: torch.Tensor, seg: SegmentLayout) -> torch.Tensor:
-    """decay_bound [chunks, HV] fp32 (prepare's per-chunk bounds) -> [num_slots, HV] int32: each
-    segment's first chunk of its local pass where its transition is dropped, else -1."""
+def segment_reach(decay_bound: torch.Tensor, seg: SegmentLayout, reverse: bool = False) -> torch.Tensor:
+    """decay_bound [chunks, HV] fp32 (prepare's per-chunk bounds) -> [num_slots, HV] int32, -1
+    where a segment's transition is kept, else the first chunk of its local pass (with reverse:
+    the number of leading chunks the backward's local pass runs, from the last of them)."""
     HV = decay_bound.shape[1]
     reach = torch.empty(seg.num_slots, HV, device=decay_bound.device, dtype=torch.int32)
     launch(segment_reach_kernel, (seg.num_slots, HV), decay_bound, seg.cu_seqlens, seg.chunk_offsets, reach,
-           HV=HV, BLOCK=triton.next_power_of_2(seg.chunks_per_segment), LOG_GAIN=NEGLIGIBLE_LOG_GAIN)
+           HV=HV, BLOCK=triton.next_power_of_2(seg.chunks_per_segment), LOG_GAIN=NEGLIGIBLE_LOG_GAIN,
+           REVERSE=reverse)
     return reach
 
 

@@ -90,8 +90,8 @@ def _reach_spy(monkeypatch):
     from flash_dma.ops.gated_delta_rule.triton import state_pass
     seen = []
 
-    def spy(*args):
-        reach = real(*args)
+    def spy(*args, **kwargs):
+        reach = real(*args, **kwargs)
         seen.append(reach.clone())
         return reach
     real = state_pass.segment_reach
@@ -120,12 +120,13 @@ def test_decayed_segments_equal_unsplit_and_reference(monkeypatch, lengths):
         with overrides(gdn_chunks_per_segment=2):
             split = _results(inputs, cotangents, True, **kwargs)
         monkeypatch.undo()
-        assert seen, "the cut forward found no reach"
-        reach = seen[0]
-        if dropped:  # full segments start at their last chunk, one-chunk segments at it
+        assert len(seen) == 2, "the cut forward found no reach, or none for the backward"
+        reach, reach_back = seen
+        if dropped:  # forward: from the last chunk; backward: the first chunk alone
             assert (reach >= 0).any() and not (reach > 1).any(), reach
+            assert (reach_back == 1).any() and ((reach_back == 1) | (reach_back == -1)).all(), reach_back
         else:
-            assert (reach == -1).all(), reach
+            assert (reach == -1).all() and (reach_back == -1).all(), (reach, reach_back)
         check_errors({k: (split[k], reference[k]) for k in split}, dtype)
         check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
 
@@ -133,7 +134,8 @@ def test_decayed_segments_equal_unsplit_and_reference(monkeypatch, lengths):
 def test_segment_reach_finds_the_latest_decayed_chunk():
     """segment_reach_kernel against the rule it implements, on made-up chunk bounds: -1 where a
     segment's whole bound is not below NEGLIGIBLE_LOG_GAIN, else the latest chunk whose bound to
-    the segment's end is (a growth in the middle can push an earlier chunk back above it)."""
+    the segment's end is (a growth in the middle can push an earlier chunk back above it), and
+    for the backward the fewest leading chunks whose bound is."""
     from flash_dma.ops.gated_delta_rule.segments import NEGLIGIBLE_LOG_GAIN, segment_layout, segment_reach
     lengths = [64 * 7, 64 * 3 + 5, 0, 1]
     cu = cu_from_lengths(lengths)
@@ -142,29 +144,40 @@ def test_segment_reach_finds_the_latest_decayed_chunk():
     chunks = sum(-(-n // 64) for n in lengths)
     decay_bound = torch.randn(chunks, 3, device=DEVICE) * 60 - 30
     got = segment_reach(decay_bound, seg).cpu()
+    got_back = segment_reach(decay_bound, seg, reverse=True).cpu()
     seg_cu, offsets = seg.cu_seqlens.cpu().tolist(), seg.chunk_offsets.cpu().tolist()
     b = decay_bound.cpu().double()
     for slot in range(seg.num_slots):
         n = -(-(seg_cu[slot + 1] - seg_cu[slot]) // 64)
         for hv in range(3):
             rows = b[offsets[slot]:offsets[slot] + n, hv] if n else b[:0, hv]
-            to_end = [float(rows[j:].sum()) for j in range(n)]
-            want = -1
+            want = want_back = -1
             if n and sum(rows.tolist()) < NEGLIGIBLE_LOG_GAIN:
-                want = max(j for j in range(n) if to_end[j] < NEGLIGIBLE_LOG_GAIN)
+                want = max(j for j in range(n) if float(rows[j:].sum()) < NEGLIGIBLE_LOG_GAIN)
+                want_back = min(j + 1 for j in range(n) if float(rows[:j + 1].sum()) < NEGLIGIBLE_LOG_GAIN)
             assert int(got[slot, hv]) == want, (slot, hv, rows.tolist())
+            assert int(got_back[slot, hv]) == want_back, (slot, hv, rows.tolist())
     assert (got >= 0).any() and (got == -1).any()  # the draw exercises both
+    assert (got_back > 0).any() and ((got_back > 0) != (got >= 0)).sum() == 0
 
 
-@pytest.mark.parametrize("kernel", ["reach", "prepare", "local", "transition"])
+@pytest.mark.parametrize("kernel", ["reach", "reach-back", "prepare", "local", "transition", "dhu-local"])
 def test_decayed_segment_kernels_compile_for_sm90(kernel):
     """What the interpreter lets pass (globals, a runtime loop start) compiles for sm_90a: the
     reach kernel, prepare storing the bounds, the state pass's local and transition runs from
-    the reach."""
+    the reach, bwd_dhu's local pass from its reach."""
     seg = {"seg_cu": "*i32", "seg_chunk_offsets": "*i32"}
-    if kernel == "reach":
+    if kernel.startswith("reach"):
         args = ("segments.segment_reach_kernel", {"decay_bound": "*fp32", **seg, "reach": "*i32"}, {},
-                {"HV": 4, "BLOCK": 64, "LOG_GAIN": -88.0})
+                {"HV": 4, "BLOCK": 64, "LOG_GAIN": -88.0, "REVERSE": kernel == "reach-back"})
+    elif kernel == "dhu-local":
+        pointers = {n: "*bf16" for n in ("q", "k", "w", "beta", "do", "dv")}
+        pointers.update({"g_cum": "*fp32", "gk_cum": "*fp32", "dht": "*fp32", "dh": "*bf16", "dh0": "*fp32",
+                         "dv2": "*bf16", "reach": "*i32", "cu_seqlens": "*i32", "chunk_offsets": "*i32"})
+        args = ("triton.bwd_dhu.gdn_bwd_dhu_kernel", pointers, {"T": "i32", "scale": "fp32"},
+                {"HQ": 2, "HV": 4, "K": 128, "V": 128, "BK": 128, "BV": 64, "HAS_G": True, "HAS_GK": False,
+                 "HAS_DHT": False, "STORE_DH0": True, "IS_VARLEN": True, "STORE_STATES": False,
+                 "USE_REACH": True})
     elif kernel == "prepare":
         pointers = {n: "*bf16" for n in ("k", "v", "beta")}
         pointers.update({"g": "*fp32", "g_cum": "*fp32", "gk_cum": "*fp32", "w": "*bf16", "u": "*bf16",

@@ -15,7 +15,7 @@ from .common import (
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, cu_seqlens, chunk_offsets,
+def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, reach, cu_seqlens, chunk_offsets,
                        T, scale,
                        HQ: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
@@ -23,7 +23,7 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
                        STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                        STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
                        DHT_IDENTITY: tl.constexpr = False, LOCAL_DV: tl.constexpr = False,
-                       W_FROM_T: tl.constexpr = False):
+                       W_FROM_T: tl.constexpr = False, USE_REACH: tl.constexpr = False):
     """One program per (V tile, sequence, head), chunks from last to first. D is the gradient of
     the state at the end of the chunk:
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
@@ -37,7 +37,9 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
     P = scale (q k^T . e^(g_i - g_j)) on j <= i (the op's local_dv pass folded in).
     W_FROM_T (scalar gate or none): `w` holds T (the chunk's WY inverse, [64, 64] per row block)
     and beta is given; w^T x = (k beta e^g)^T (T^T x), so no w is read (the op's recompute of w
-    is not needed)."""
+    is not needed).
+    USE_REACH (a segment's local pass): a decayed segment (reach[segment, head] >= 0,
+    segments.py) runs only its first `reach` chunks."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, HQ, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
@@ -47,6 +49,9 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
         state = initial_state(dht, seq, hv, HV, K, V, krows, vcols, HAS_DHT)
     dt = q.dtype.element_ty
     num_chunks = tl.cdiv(seq_len, CHUNK)
+    if USE_REACH:
+        first = tl.load(reach + seq * HV + hv)
+        num_chunks = tl.where(first >= 0, first, num_chunks)
     # dv is read one chunk ahead: without a gate the compiler folds the dv add into the MMA's
     # accumulator, and a load feeding an accumulator is not pipelined (its latency then sat in
     # the chain of dependent MMAs every chunk).
@@ -142,7 +147,7 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
 # ------------------------------------------------------------------------------------------------
 def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float,
             forward_transition: torch.Tensor | None = None, local_dv_dtype: torch.dtype | None = None,
-            inverse: tuple | None = None):
+            inverse: tuple | None = None, reverse_reach: torch.Tensor | None = None):
     """-> (dh [B * NT or slots, HV, K, V] in q's dtype, dh0 or None, dv2 like dv).
     dv None with local_dv_dtype (scalar gate or none): the intra-chunk dv = P^T do is formed
     inside (LOCAL_DV), and dv2 comes in that dtype. w None with inverse = (T, beta) (scalar gate
@@ -150,7 +155,9 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     With the plan's chunks_per_segment, segments run side by side as in the forward's state pass,
     joined right to left (segments.py). forward_transition: the forward state pass's segment
     transitions M over the same cut, where known: this pass's are their transposes (the state
-    gradient's recursion is the adjoint of the state's), so they are not computed again."""
+    gradient's recursion is the adjoint of the state's), so they are not computed again, and
+    reverse_reach (its reach for this pass, segments.py), where given, shortens the decayed
+    segments' local pass."""
     B, T, HQ, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     dev = q.device
@@ -169,13 +176,14 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     cfg = plan.launch("bwd_dhu")
     per_segment = plan.segment_chunks("bwd_dhu")
 
-    def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, **flags):
+    def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, reach=None, **flags):
         launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, cu, offsets, T, scale,
+               q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, reach, cu, offsets, T, scale,
                HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
                HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
                IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t, **flags)
+               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t,
+               USE_REACH=reach is not None, **flags)
 
     if per_segment is None:
         dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
@@ -185,8 +193,9 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
-    run(*slots, None, local, STORE_STATES=False)
-    if forward_transition is not None and per_segment == plan.segment_chunks():
+    same_cut = forward_transition is not None and per_segment == plan.segment_chunks()
+    run(*slots, None, local, STORE_STATES=False, reach=reverse_reach if same_cut else None)
+    if same_cut:
         transition = forward_transition.transpose(-1, -2).contiguous()
     else:
         transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)

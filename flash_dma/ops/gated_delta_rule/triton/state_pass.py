@@ -123,8 +123,10 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     With the plan's chunks_per_segment, every sequence is cut into segments run side by side:
     each segment's end state from zero and its transition (from the identity), the join, then
     every segment again from its true start (segments.py). `segments` = (starts, transition)
-    of that cut, fp32 [slots, HV, K, V] and [slots, HV, K, K]: the backward passes them back as
-    `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions.
+    of that cut, fp32 [slots, HV, K, V] and [slots, HV, K, K], and its reach for the backward's
+    pass (segments.py; None unless decay_bound is given): the backward passes them back as
+    `known` (its recomputation then runs only the last step) and bwd_dhu reuses the transitions
+    and the reach.
     decay_bound: prepare's per-chunk transition bounds where the plan drops decayed segments'
     transitions (segments.py), else None."""
     HV, V = v.shape[2], v.shape[3]
@@ -144,27 +146,28 @@ def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initi
     if known is not None:  # the forward's cut, its starts known: the last step only
         run(*slots, known[0], None)
         return h, v_new, None, known
-    starts, transition, final = _join(plan, seg, run, HV, k.shape[3], V, initial_state, decay_bound)
+    starts, transition, final, reach_back = _join(plan, seg, run, HV, k.shape[3], V, initial_state, decay_bound)
     run(*slots, starts, None)
-    return h, v_new, final if store_final else None, (starts, transition)
+    return h, v_new, final if store_final else None, (starts, transition, reach_back)
 
 
 def segment_starts(plan, layout: ChunkLayout, k, v, beta, ai, g_cum, initial_state, per_segment: int,
                    decay_bound: torch.Tensor | None = None):
     """The cut alone, for a last pass of another kernel (the fused forward): each segment's end
     state and transition from T, joined (decay_bound as for states). -> (segment layout, starts,
-    transitions, final)."""
+    transitions, final, reach for the backward or None)."""
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, k.device)
     run = _runner(plan, layout, k, v, beta, ai, None, None, g_cum, None, None, None)
-    starts, transition, final = _join(plan, seg, run, v.shape[2], k.shape[3], v.shape[3], initial_state,
-                                      decay_bound)
-    return seg, starts, transition, final
+    starts, transition, final, reach_back = _join(plan, seg, run, v.shape[2], k.shape[3], v.shape[3],
+                                                  initial_state, decay_bound)
+    return seg, starts, transition, final, reach_back
 
 
 def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=None):
     """Each segment's end state from zero (states not stored) and its transition (from the
-    identity), joined (plan.join): -> (starts, transitions, final). With decay_bound, decayed
-    segments run their local pass from their reach and their transition as zero."""
+    identity), joined (plan.join): -> (starts, transitions, final, reach_back). With decay_bound,
+    decayed segments run their local pass from their reach and their transition as zero, and
+    reach_back is their reach for the backward's pass (segments.py), else None."""
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     dev = seg.cu_seqlens.device
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
@@ -174,4 +177,5 @@ def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=No
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True,
         reach=reach)
     starts, final = plan.join(transition, local, seg, initial_state)
-    return starts, transition, final
+    reach_back = None if decay_bound is None else segment_reach(decay_bound, seg, reverse=True)
+    return starts, transition, final, reach_back
