@@ -151,10 +151,25 @@ def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
 # The forward state passes' sequence split (segments.py), from bench/sweep_gdn_segments.py and
 # bench/profile_gdn_segments.py (docs/perf/gated_delta_rule.md): B1 T32768 H16 ran its forward
 # 1.20x faster cut into segments of 64 chunks, while T8192 (128 chunks) and 20 packed
-# sequences (320 chains) ran slower cut at every size; bwd_dhu ran slower cut everywhere.
+# sequences (320 chains) ran slower cut at every size; bwd_dhu ran slower cut everywhere (before
+# decayed segments: see DHU_SEGMENT_MIN_CHUNKS).
 SEGMENT_CHUNKS = 64
 SEGMENT_MIN_CHUNKS = 256  # chunks of a sequence below which cutting did not pay
 SEGMENT_MAX_CHAINS_PER_SM = 0.25  # (sequences x heads) per SM above which it did not either
+
+
+# bwd_dhu cut like the forward where decayed segments shorten its local pass (segments.py), from
+# bench/gdn_decay_reach.py (H200, 2026-11-27, fwd+bwd ms, bwd_dhu cut alike / whole): B1 T32768
+# H16 2.043 / 2.251 at the op report's decays, 2.499 / 2.467 at slow ones (nothing decays away);
+# B1 and B2 T16384 H16 no faster (1.218 / 1.208, 2.006 / 2.003) and slower at slow decays.
+DHU_SEGMENT_MIN_CHUNKS = 512
+
+
+def dhu_segments_alike(seq_len: int, varlen: bool, num_seqs: int = 1) -> bool:
+    """Whether bwd_dhu takes the forward's rule cut too (decayed segments apply): sequences of
+    DHU_SEGMENT_MIN_CHUNKS chunks and more (packed ones by their mean length)."""
+    chunks = -(-(seq_len // max(num_seqs, 1) if varlen else seq_len) // 64)
+    return chunks >= DHU_SEGMENT_MIN_CHUNKS
 
 
 def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device: torch.device,

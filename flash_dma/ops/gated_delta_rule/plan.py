@@ -292,16 +292,21 @@ def _chunks_per_segment() -> Chosen:
     return chosen
 
 
-def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> tuple[Chosen, Chosen]:
+def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device, has_g: bool = False,
+              has_gk: bool = False) -> tuple[Chosen, Chosen]:
     """Chunks per segment of (the forward state passes, bwd_dhu): an override sets both; else
-    launch_table.forward_segments' rule cuts the forward passes only (bwd_dhu measured slower cut)."""
+    launch_table.forward_segments' rule cuts the forward passes, and bwd_dhu alike only where
+    decayed segments shorten its local pass (a scalar gate, no gk, long sequences:
+    launch_table.dhu_segments_alike)."""
     chosen = _chunks_per_segment()
     if chosen.source == "override":
         return chosen, chosen
     rule = launch_table.forward_segments(num_seqs * HV, T, varlen, device, num_seqs)
     if rule is None:
         return chosen, chosen
-    return Chosen(rule, "rule"), Chosen(None, "rule")
+    reach = has_g and not has_gk and choice("gdn_decay_reach").value is not False
+    alike = reach and launch_table.dhu_segments_alike(T, varlen, num_seqs)
+    return Chosen(rule, "rule"), Chosen(rule if alike else None, "rule")
 
 
 def forward_segment_chunks(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> int | None:
@@ -322,7 +327,7 @@ def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chun
 
 def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
            segments: tuple[Chosen, Chosen] | None = None) -> DeltaRulePlan:
-    segments, dhu_segments = segments or _segments(B, T, HV, num_seqs, varlen, device)
+    segments, dhu_segments = segments or _segments(B, T, HV, num_seqs, varlen, device, has_g, has_gk)
     pairs = num_seqs * HV
     chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
     dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)

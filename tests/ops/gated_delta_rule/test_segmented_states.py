@@ -267,6 +267,30 @@ def test_rule_cuts_long_sequences_with_few_chains_fixed_or_packed(monkeypatch):
     assert rule(16, 32768, False, torch.device("cpu")) is None
 
 
+def test_rule_cuts_bwd_dhu_alike_only_where_decayed_segments_shorten_it(monkeypatch):
+    """plan._segments on a 132-SM GPU (faked): bwd_dhu takes the forward's rule cut for
+    sequences of 512 chunks and more with a scalar gate and no gk, unless decayed segments are
+    turned off; an override cuts both."""
+    from types import SimpleNamespace
+    from flash_dma.ops.gated_delta_rule import launch_table
+    from flash_dma.ops.gated_delta_rule.plan import _segments
+    monkeypatch.setattr(launch_table, "device_info", lambda device: SimpleNamespace(sm_count=132))
+    monkeypatch.setattr(launch_table, "interpreter_active", lambda: False)
+    cuda = torch.device("cuda")
+    per = launch_table.SEGMENT_CHUNKS
+
+    def cut(T, has_g=True, has_gk=False, **over):
+        with overrides(**over):
+            fwd, dhu = _segments(1, T, 16, 1, False, cuda, has_g, has_gk)
+        return fwd.value, dhu.value
+    assert cut(32768) == (per, per)
+    assert cut(16384) == (per, None)  # long enough to cut the forward, not bwd_dhu
+    assert cut(32768, has_gk=True) == (per, None)
+    assert cut(32768, has_g=False) == (per, None)
+    assert cut(32768, gdn_decay_reach=False) == (per, None)
+    assert cut(8192, gdn_chunks_per_segment=4) == (4, 4)
+
+
 def test_context_parallel_plan_always_cuts_and_carries_its_joins():
     """plan_context_parallel: both passes cut (segments of SEGMENT_CHUNKS, an override's count,
     or with 0 one segment per sequence), the given joins in the plan, the cached base untouched."""
