@@ -44,7 +44,9 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward)
         o, final, g_cum, ai, segments, _, _ = run_forward(*args)
-    starts, transitions = (absent(q), absent(q)) if segments is None else segments
+    # the backward's reach (segments.py) does not cross the op boundary: there bwd_dhu's local
+    # pass runs whole segments (the same result, dropped transitions included)
+    starts, transitions = (absent(q), absent(q)) if segments is None else segments[:2]
     return o, final if output_final_state else absent(q), absent(q) if g_cum is None else g_cum, \
         absent(q) if ai is None else ai, starts, transitions
 
@@ -107,7 +109,7 @@ def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v
     segments = None
     if (starts.numel() and per_segment is not None
             and starts.shape[0] == _segment_slots(q, v, cu_seqlens, per_segment)):
-        segments = (starts, transitions)
+        segments = (starts, transitions, None)
     grads = run_backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, g_cum, ai, do, dht, segments)
     return tuple(absent(q) if t is None else t.contiguous() for t in grads)
 

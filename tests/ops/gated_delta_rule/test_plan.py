@@ -126,7 +126,8 @@ def test_profile_log_names_each_pass_once(monkeypatch, caplog):
 @pytest.mark.gpu
 def test_forward_state_passes_cut_only_where_the_sweep_found_it_pays():
     """One long sequence of few heads: the forward state passes are cut (launch_table's rule),
-    bwd_dhu is not; many chains or short sequences are not cut at all."""
+    bwd_dhu alike at 512 chunks (decayed segments shorten it), not at 256; many chains or short
+    sequences are not cut at all."""
     from flash_dma.ops.gated_delta_rule.layout import chunk_layout
     from flash_dma.ops.gated_delta_rule.plan import plan_call
 
@@ -136,6 +137,7 @@ def test_forward_state_passes_cut_only_where_the_sweep_found_it_pays():
 
     long = plan(1, 32768, 16)
     assert (long.chunks_per_segment.value, long.chunks_per_segment.source) == (64, "rule")
-    assert long.dhu_chunks_per_segment.value is None
+    assert long.dhu_chunks_per_segment.value == 64 and long.decay_reach.value is True
+    assert plan(1, 16384, 16).dhu_chunks_per_segment.value is None
     for B, T, H in ((1, 8192, 16), (4, 32768, 32)):
         assert plan(B, T, H).chunks_per_segment.value is None
