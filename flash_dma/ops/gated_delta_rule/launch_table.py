@@ -165,11 +165,16 @@ SEGMENT_MAX_CHAINS_PER_SM = 0.25  # (sequences x heads) per SM above which it di
 DHU_SEGMENT_MIN_CHUNKS = 512
 
 
+def _sequence_chunks(seq_len: int, varlen: bool, num_seqs: int) -> int:
+    """Chunks of a sequence of the call: packed sequences (their lengths live on the device) by
+    their mean length, seq_len / num_seqs."""
+    return -(-(seq_len // max(num_seqs, 1) if varlen else seq_len) // 64)
+
+
 def dhu_segments_alike(seq_len: int, varlen: bool, num_seqs: int = 1) -> bool:
     """Whether bwd_dhu takes the forward's rule cut too (decayed segments apply): sequences of
     DHU_SEGMENT_MIN_CHUNKS chunks and more (packed ones by their mean length)."""
-    chunks = -(-(seq_len // max(num_seqs, 1) if varlen else seq_len) // 64)
-    return chunks >= DHU_SEGMENT_MIN_CHUNKS
+    return _sequence_chunks(seq_len, varlen, num_seqs) >= DHU_SEGMENT_MIN_CHUNKS
 
 
 def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device: torch.device,
@@ -179,7 +184,7 @@ def forward_segments(sequences_x_heads: int, seq_len: int, varlen: bool, device:
     device) go by their mean length, seq_len / num_seqs."""
     if device.type != "cuda" or interpreter_active():
         return None
-    chunks = -(-(seq_len // max(num_seqs, 1) if varlen else seq_len) // 64)
+    chunks = _sequence_chunks(seq_len, varlen, num_seqs)
     if chunks < SEGMENT_MIN_CHUNKS or sequences_x_heads > SEGMENT_MAX_CHAINS_PER_SM * device_info(device).sm_count:
         return None
     return SEGMENT_CHUNKS

@@ -292,21 +292,27 @@ def _chunks_per_segment() -> Chosen:
     return chosen
 
 
-def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device, has_g: bool = False,
-              has_gk: bool = False) -> tuple[Chosen, Chosen]:
+def _segments(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> tuple[Chosen, Chosen]:
     """Chunks per segment of (the forward state passes, bwd_dhu): an override sets both; else
-    launch_table.forward_segments' rule cuts the forward passes, and bwd_dhu alike only where
-    decayed segments shorten its local pass (a scalar gate, no gk, long sequences:
-    launch_table.dhu_segments_alike)."""
+    launch_table.forward_segments' rule cuts the forward passes only (bwd_dhu alike only where
+    decayed segments apply: _dhu_cut_alike)."""
     chosen = _chunks_per_segment()
     if chosen.source == "override":
         return chosen, chosen
     rule = launch_table.forward_segments(num_seqs * HV, T, varlen, device, num_seqs)
     if rule is None:
         return chosen, chosen
-    reach = has_g and not has_gk and choice("gdn_decay_reach").value is not False
-    alike = reach and launch_table.dhu_segments_alike(T, varlen, num_seqs)
-    return Chosen(rule, "rule"), Chosen(rule if alike else None, "rule")
+    return Chosen(rule, "rule"), Chosen(None, "rule")
+
+
+def _dhu_cut_alike(segments: Chosen, dhu_segments: Chosen, decay_reach: Chosen, T: int, varlen: bool,
+                   num_seqs: int) -> Chosen:
+    """bwd_dhu's chunks per segment: the forward's rule cut where decayed segments shorten its
+    local pass on long sequences (launch_table.dhu_segments_alike), else as _segments chose."""
+    if (segments.source == "rule" and segments.value is not None and dhu_segments.value is None
+            and decay_reach.value and launch_table.dhu_segments_alike(T, varlen, num_seqs)):
+        return Chosen(segments.value, "rule")
+    return dhu_segments
 
 
 def forward_segment_chunks(B: int, T: int, HV: int, num_seqs: int, varlen: bool, device) -> int | None:
@@ -327,7 +333,9 @@ def _state_pass_pairs(B: int, T: int, HV: int, num_seqs: int, varlen: bool, chun
 
 def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
            segments: tuple[Chosen, Chosen] | None = None) -> DeltaRulePlan:
-    segments, dhu_segments = segments or _segments(B, T, HV, num_seqs, varlen, device, has_g, has_gk)
+    segments, dhu_segments = segments or _segments(B, T, HV, num_seqs, varlen, device)
+    decay_reach = _decay_reach(has_g, has_gk, segments.value)
+    dhu_segments = _dhu_cut_alike(segments, dhu_segments, decay_reach, T, varlen, num_seqs)
     pairs = num_seqs * HV
     chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
     dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)
@@ -360,7 +368,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                                                         device),
                          backward_warp_roles=_backward_warp_roles(K, V, pairs, dtype, has_gk, keep,
                                                                   dhu_segments.value, device),
-                         decay_reach=_decay_reach(has_g, has_gk, segments.value))
+                         decay_reach=decay_reach)
 
 
 def _decay_reach(has_g: bool, has_gk: bool, cut) -> Chosen:

@@ -268,12 +268,12 @@ def test_rule_cuts_long_sequences_with_few_chains_fixed_or_packed(monkeypatch):
 
 
 def test_rule_cuts_bwd_dhu_alike_only_where_decayed_segments_shorten_it(monkeypatch):
-    """plan._segments on a 132-SM GPU (faked): bwd_dhu takes the forward's rule cut for
-    sequences of 512 chunks and more with a scalar gate and no gk, unless decayed segments are
-    turned off; an override cuts both."""
+    """plan._segments and _dhu_cut_alike on a 132-SM GPU (faked): bwd_dhu takes the forward's
+    rule cut for sequences of 512 chunks and more with a scalar gate and no gk, unless decayed
+    segments are turned off; an override cuts both."""
     from types import SimpleNamespace
     from flash_dma.ops.gated_delta_rule import launch_table
-    from flash_dma.ops.gated_delta_rule.plan import _segments
+    from flash_dma.ops.gated_delta_rule.plan import _decay_reach, _dhu_cut_alike, _segments
     monkeypatch.setattr(launch_table, "device_info", lambda device: SimpleNamespace(sm_count=132))
     monkeypatch.setattr(launch_table, "interpreter_active", lambda: False)
     cuda = torch.device("cuda")
@@ -281,7 +281,8 @@ def test_rule_cuts_bwd_dhu_alike_only_where_decayed_segments_shorten_it(monkeypa
 
     def cut(T, has_g=True, has_gk=False, **over):
         with overrides(**over):
-            fwd, dhu = _segments(1, T, 16, 1, False, cuda, has_g, has_gk)
+            fwd, dhu = _segments(1, T, 16, 1, False, cuda)
+            dhu = _dhu_cut_alike(fwd, dhu, _decay_reach(has_g, has_gk, fwd.value), T, False, 1)
         return fwd.value, dhu.value
     assert cut(32768) == (per, per)
     assert cut(16384) == (per, None)  # long enough to cut the forward, not bwd_dhu

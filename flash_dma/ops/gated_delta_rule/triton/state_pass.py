@@ -167,7 +167,8 @@ def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=No
     """Each segment's end state from zero (states not stored) and its transition (from the
     identity), joined (plan.join): -> (starts, transitions, final, reach_back). With decay_bound,
     decayed segments run their local pass from their reach and their transition as zero, and
-    reach_back is their reach for the backward's pass (segments.py), else None."""
+    reach_back is their reach for the backward's pass (segments.py) where bwd_dhu is cut alike,
+    else None."""
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     dev = seg.cu_seqlens.device
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
@@ -177,5 +178,7 @@ def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=No
     run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True,
         reach=reach)
     starts, final = plan.join(transition, local, seg, initial_state)
-    reach_back = None if decay_bound is None else segment_reach(decay_bound, seg, reverse=True)
+    # the backward's reach serves only a bwd_dhu cut like this pass
+    dhu_alike = plan.dhu_chunks_per_segment.value == seg.chunks_per_segment
+    reach_back = segment_reach(decay_bound, seg, reverse=True) if decay_bound is not None and dhu_alike else None
     return starts, transition, final, reach_back

@@ -8,7 +8,7 @@ import triton.language as tl
 from ....runtime.launch import launch
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
-    CHUNK, SUB, chunk_args, chunk_inverse, chunk_program, load_square_block, load_tile, load_vec,
+    CHUNK, SUB, chunk_args, chunk_inverse, chunk_program, decay_factor, load_square_block, load_tile, load_vec,
     scalar_gamma, square_ptrs, store_tile, store_vec
 )
 
@@ -76,13 +76,6 @@ def _store_lower_blocks(base, tok0, HV: tl.constexpr, hv, n_valid,
     _store_square_block(base, m31, tok0, 3, 1, HV, hv, n_valid)
     _store_square_block(base, m32, tok0, 3, 2, HV, hv, n_valid)
     _store_square_block(base, m33, tok0, 3, 3, HV, hv, n_valid)
-
-
-@triton.jit
-def _block_gamma(bi, bj, valid_i):
-    """e^(b_i - b_j) between a later block's rows i and an earlier block's rows j, 0 on rows i
-    past the chunk's end (see scalar_gamma)."""
-    return tl.exp(tl.where(valid_i[:, None], bi[:, None] - bj[None, :], float("-inf")))
 
 
 @triton.jit
@@ -180,12 +173,12 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
         a11 = a11 * scalar_gamma(b1, b1, False, r1 < n_valid)
         a22 = a22 * scalar_gamma(b2, b2, False, r2 < n_valid)
         a33 = a33 * scalar_gamma(b3, b3, False, r3 < n_valid)
-        a10 = a10 * _block_gamma(b1, b0, r1 < n_valid)
-        a20 = a20 * _block_gamma(b2, b0, r2 < n_valid)
-        a21 = a21 * _block_gamma(b2, b1, r2 < n_valid)
-        a30 = a30 * _block_gamma(b3, b0, r3 < n_valid)
-        a31 = a31 * _block_gamma(b3, b1, r3 < n_valid)
-        a32 = a32 * _block_gamma(b3, b2, r3 < n_valid)
+        a10 = a10 * decay_factor(b1[:, None] - b0[None, :], r1 < n_valid)
+        a20 = a20 * decay_factor(b2[:, None] - b0[None, :], r2 < n_valid)
+        a21 = a21 * decay_factor(b2[:, None] - b1[None, :], r2 < n_valid)
+        a30 = a30 * decay_factor(b3[:, None] - b0[None, :], r3 < n_valid)
+        a31 = a31 * decay_factor(b3[:, None] - b1[None, :], r3 < n_valid)
+        a32 = a32 * decay_factor(b3[:, None] - b2[None, :], r3 < n_valid)
     else:
         strict = sub[:, None] > sub[None, :]
         a00 = tl.where(strict, a00, 0.0)
