@@ -4,7 +4,11 @@ forming the intra-chunk dv and w itself) and the warp-role backward (gluon/backw
 it after the state pass in one kernel). Forward and forward + backward do_bench medians per
 form, the backward as their difference; gradients compared with the first form's.
 
-    python bench/gdn_backward_forms.py [--out DIR] [--forms passes,dhu_ws,backward_ws] [--shapes 0,1]
+    python bench/gdn_backward_forms.py [--out DIR] [--forms passes,dhu_ws,backward_ws] [--shapes 0,1] [--segments whole|rule|N]
+
+Sequences run whole by default; --segments rule lets the plan's rule cut them as in a plain call
+(the forward's state passes for one long sequence, and with the warp-role backward bwd_dhu too);
+--segments N cuts every pass into segments of N chunks.
 
 Writes DIR/gdn-backward-forms-<device>-<date>.txt.
 """
@@ -32,6 +36,7 @@ SHAPES = [  # label, B, T, H, packed lengths or None
     ("B16 T4096 H32", 16, 4096, 32, None),
     ("B8 T4096 H16", 8, 4096, 16, None),
     ("B2 T16384 H32", 2, 16384, 32, None),
+    ("B1 T32768 H16", 1, 32768, 16, None),
 ]
 FORMS = {  # name: the overrides that select it
     "passes": dict(gdn_dhu_warp_roles=False, gdn_backward_warp_roles=False),
@@ -60,13 +65,18 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--shapes", default=None, help="indices into SHAPES (default: all)")
+    ap.add_argument("--segments", default="whole", help="whole, rule, or chunks per segment")
     ns = ap.parse_args()
     forms = ns.forms.split(",")
+    cut = {"whole": {"gdn_chunks_per_segment": 0}, "rule": {}}.get(ns.segments)
+    if cut is None:
+        cut = {"gdn_chunks_per_segment": int(ns.segments)}
     shapes = SHAPES if ns.shapes is None else [SHAPES[int(i)] for i in ns.shapes.split(",")]
     name = torch.cuda.get_device_name()
     lines = [f"# the backward's forms | {name} | torch {torch.__version__} | triton {triton.__version__} | "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, no states; "
-             "public op, do_bench medians, ms; backward = fwd+bwd - fwd",
+             "public op, do_bench medians, ms; backward = fwd+bwd - fwd; "
+             f"segments: {ns.segments}",
              f"| shape | fwd | bwd {' / '.join(forms)} | bwd speed-up over {forms[0]} | max rel. diff of grads to "
              f"{forms[0]} |",
              "| --- | --- | --- | --- | --- |"]
@@ -75,7 +85,7 @@ def main():
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         row = {}
         for form in forms:
-            with overrides(gdn_chunks_per_segment=0, **FORMS[form]):
+            with overrides(**cut, **FORMS[form]):
                 def fwd():
                     return chunk_gated_delta_rule(*leaves.values(), cu_seqlens=cu)[0]
 

@@ -143,9 +143,21 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
                                                   g_cum, gk_cum, initial_state, store_final=False, known=segments)
     if warp_roles:
         from .gluon.backward_ws import bwd_sequential
-        del segments, w, u
-        dq, dk, dv, dbeta, dg, dh0 = bwd_sequential(layout, q, k, v, v_new, h, do_mma, ai, g_cum, beta, dht,
-                                                    initial_state is not None, scale)
+        del w, u
+        if plan.segment_chunks("bwd_dhu") is None:
+            dq, dk, dv, dbeta, dg, dh0 = bwd_sequential(layout, q, k, v, v_new, h, do_mma, ai, g_cum, beta, dht,
+                                                        initial_state is not None, scale)
+        else:
+            # cut: each segment runs from the state gradient at its end, found by bwd_dhu's local
+            # pass and the join right to left
+            seg, ends, dh0 = ops.bwd_dhu.segment_end_gradients(
+                plan, layout, q, k, do_mma, g_cum, (ai, beta), dht, scale,
+                forward_transition=None if segments is None else segments[1],
+                reverse_reach=None if segments is None else segments[2])
+            dq, dk, dv, dbeta, dg, _ = bwd_sequential(layout, q, k, v, v_new, h, do_mma, ai, g_cum, beta, ends, False,
+                                                      scale, seg.cu_seqlens, seg.chunk_offsets, seg.num_slots)
+            dh0 = dh0 if initial_state is not None else None
+        del segments
         return _group_sum(dq, H).to(q.dtype), _group_sum(dk, H).to(k.dtype), dv, dg, None, dbeta, dh0
     if dhu_warp_roles:
         from .gluon.bwd_dhu_ws import bwd_dhu_ws

@@ -338,8 +338,10 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
     dhu_segments = _dhu_cut_alike(segments, dhu_segments, decay_reach, T, varlen, num_seqs)
     pairs = num_seqs * HV
     chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, segments.value)
-    dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)
     keep = launch_table.keeps_inverse(K, V, has_gk)
+    backward_warp_roles, dhu_segments = _backward_warp_roles(K, V, pairs, chains, dtype, has_gk, keep, segments,
+                                                             dhu_segments, device)
+    dhu_chains = _state_pass_pairs(B, T, HV, num_seqs, varlen, dhu_segments.value)
     split = choice("gdn_split_prepare")
     if not keep:
         split = Chosen(False, "rule")
@@ -366,8 +368,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value),
                          dhu_warp_roles=_dhu_warp_roles(K, V, dhu_chains, dtype, has_gk, keep, dhu_segments.value,
                                                         device),
-                         backward_warp_roles=_backward_warp_roles(K, V, pairs, dtype, has_gk, keep,
-                                                                  dhu_segments.value, device),
+                         backward_warp_roles=backward_warp_roles,
                          decay_reach=decay_reach)
 
 
@@ -385,15 +386,28 @@ def _decay_reach(has_g: bool, has_gk: bool, cut) -> Chosen:
     return chosen
 
 
-def _backward_warp_roles(K: int, V: int, pairs: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,
-                         device) -> Chosen:
-    """Whether the backward after the state pass is the one warp-role kernel (gluon/backward_ws.py)."""
-    return _hopper_kernel(
-        "gdn_backward_warp_roles", keep and cut is None and launch_table.fused_backward_fits(K, V, dtype, has_gk, device),
-        lambda: launch_table.backward_warp_roles_rule(pairs, device),
-        "the warp-role backward needs an SM90 GPU, no gk, K and V 64 or 128, 16-bit inputs, T kept by the forward "
-        "and bwd_dhu not cut into segments",
-        f"device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}, bwd_dhu cut {cut}")
+def _backward_warp_roles(K: int, V: int, pairs: int, chains: int, dtype: torch.dtype, has_gk: bool, keep: bool,
+                         segments: Chosen, dhu_segments: Chosen, device) -> tuple[Chosen, Chosen]:
+    """-> (whether the backward after the state pass is the one warp-role kernel
+    (gluon/backward_ws.py), bwd_dhu's chunks per segment). launch_table's rule counts its
+    programs: the sequences x heads, or where the rule cut the forward's state passes, their
+    segments x heads, bwd_dhu then cut the same way (the segments run from the state gradients at
+    their ends, which the forward's kept transitions give), forced or by rule. An override of the
+    segments is taken as given."""
+    fits = keep and launch_table.fused_backward_fits(K, V, dtype, has_gk, device)
+    if dhu_segments.value is None and segments.source == "rule" and segments.value is not None:
+        # Few sequences x heads: the kernel runs over the forward's segments, forced or by rule.
+        cut, programs = Chosen(segments.value, "rule"), chains
+    elif dhu_segments.value is None:
+        cut, programs = dhu_segments, pairs
+    else:
+        cut, programs = dhu_segments, chains if dhu_segments.value == segments.value else None
+    chosen = _hopper_kernel(
+        "gdn_backward_warp_roles", fits,
+        lambda: programs is not None and launch_table.backward_warp_roles_rule(programs, device),
+        "the warp-role backward needs an SM90 GPU, no gk, K and V 64 or 128, 16-bit inputs and T kept by the forward",
+        f"device {device}, gk {has_gk}, K {K}, V {V}, dtype {dtype}, T kept {keep}")
+    return chosen, cut if chosen.value else dhu_segments
 
 
 def _dhu_warp_roles(K: int, V: int, chains: int, dtype: torch.dtype, has_gk: bool, keep: bool, cut,

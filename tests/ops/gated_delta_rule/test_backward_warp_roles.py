@@ -2,8 +2,8 @@
 `gdn_backward_warp_roles`: bwd_dhu, its intra-chunk dv and the chunk gradients fused): every
 gradient of the op against the fp64 reference, fixed lengths and varlen with empty and
 single-token sequences, GQA, K != V, K = V = 64, no gate, fp16, one chunk and a lone partial
-chunk; the same gradients as the passes it replaces; where it can be forced; and that it compiles
-for sm_90a on the CPU."""
+chunk, whole and cut into segments; the same gradients as the passes it replaces; the rule, and
+where it can be forced; and that it compiles for sm_90a on the CPU."""
 import math
 
 import pytest
@@ -14,7 +14,7 @@ from flash_dma.ops.gated_delta_rule.layout import chunk_layout
 from flash_dma.ops.gated_delta_rule.plan import plan_call
 
 from .cases import (
-    FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised, assert_refuses_a_cut,
+    FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised,
     assert_same_gradients_as, check_case_with_choices, compile_for_sm90
 )
 
@@ -65,8 +65,27 @@ def test_backward_warp_roles_forced_where_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
-def test_gpu_backward_warp_roles_refuses_a_cut():
-    assert_refuses_a_cut("gdn_backward_warp_roles")
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("name", ["g-h0-K128", "varlen-empty-single", "K128-V64-gqa", "no-gate-gqa-K64"])
+def test_gpu_backward_warp_roles_over_segments(name, split):
+    """Cut into segments (of one chunk, and a last segment shorter than the others): each segment
+    runs from the state gradient at its end (bwd_dhu's local pass and the reverse join), every
+    gradient and dh0 against fp64."""
+    check_case_with_choices(CASES[name], {"gdn_backward_warp_roles": True, "gdn_chunks_per_segment": split},
+                            lambda plan: plan.backward_warp_roles_on() and plan.segment_chunks("bwd_dhu") == split)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the warp-role backward runs on SM90 GPUs")
+def test_gpu_backward_warp_roles_takes_the_forwards_cut():
+    """One long sequence: the rule cuts the forward into segments, and the warp-role backward runs
+    over the same segments (bwd_dhu cut alike)."""
+    dev = torch.device("cuda")
+    q = torch.empty(1, 32768, 16, 128, dtype=torch.bfloat16, device=dev)
+    plan = plan_call(q, q, True, False, chunk_layout(1, 32768, None))
+    assert plan.segment_chunks() is not None
+    assert plan.backward_warp_roles.value is True
+    assert plan.segment_chunks("bwd_dhu") == plan.segment_chunks()
 
 
 @pytest.mark.parametrize("K, has_g, varlen, gqa", [(128, True, False, False), (128, True, True, True),

@@ -387,3 +387,37 @@ def test_profile_log_names_the_split(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "flash_dma" and "pass=fwd_h.segments" in r.getMessage()]
     assert any("choice=unsplit" in line for line in lines), lines
     assert any("choice=chunks_per_segment=2" in line and "source=override" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("chunks_per_segment", [1, 3])
+@pytest.mark.parametrize("lengths", [None, [70, 0, 1, 200]], ids=["batch", "varlen"])
+def test_segment_end_gradients_are_the_uncut_pass_states(lengths, chunks_per_segment):
+    """bwd_dhu's local pass and reverse join alone (triton/bwd_dhu.segment_end_gradients, which
+    the warp-role backward runs each segment from): the state gradient at each segment's end is
+    the uncut pass's at that chunk, and dh0 is its dh0."""
+    from flash_dma.ops.gated_delta_rule.autograd import _prepare
+    from flash_dma.ops.gated_delta_rule.triton.bwd_dhu import bwd_dhu, segment_end_gradients
+
+    torch.manual_seed(0)
+    dtype = torch.float32
+    B, T = (2, 200) if lengths is None else (1, sum(lengths))
+    x = make_inputs(B, T, 1, 2, 16, 16, dtype, "g", True, n_seqs=None if lengths is None else len(lengths))
+    cu = None if lengths is None else cu_from_lengths(lengths)
+    layout = chunk_layout(B, T, cu)
+    scale = 16 ** -0.5
+    do = torch.randn_like(x["v"])
+    dht = torch.randn_like(x["initial_state"])
+    whole = plan_call(x["q"], x["v"], True, False, layout)
+    g_cum, _, _, _, ai, _, _, _ = _prepare(whole, layout, x["q"], x["k"], x["v"], x["beta"], x["g"], None, scale)
+    with overrides(gdn_chunks_per_segment=0):
+        dh, dh0, _ = bwd_dhu(plan_call(x["q"], x["v"], True, False, layout), layout, x["q"], x["k"], None, do, None,
+                             g_cum, None, dht, True, scale, local_dv_dtype=dtype, inverse=(ai, x["beta"]))
+    with overrides(gdn_chunks_per_segment=chunks_per_segment):
+        cut = plan_call(x["q"], x["v"], True, False, layout)
+        seg, ends, cut_dh0 = segment_end_gradients(cut, layout, x["q"], x["k"], do, g_cum, (ai, x["beta"]), dht, scale)
+    tokens = (seg.cu_seqlens[1:] - seg.cu_seqlens[:-1]).tolist()
+    first = seg.chunk_offsets.tolist()
+    used = [s for s in range(seg.num_slots) if tokens[s] > 0]
+    assert used
+    last_chunk = torch.tensor([first[s] + (tokens[s] + 63) // 64 - 1 for s in used], device=DEVICE)
+    check_errors({"segment ends": (ends[used], dh[last_chunk].double()), "dh0": (cut_dh0, dh0.double())}, dtype)

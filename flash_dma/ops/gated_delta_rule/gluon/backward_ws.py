@@ -1,7 +1,8 @@
 """The backward after the state pass in one kernel with warp roles: bwd_dhu, its intra-chunk dv and
 the chunk-parallel gradients (backward_chunk.py's math) fused. One program per (sequence, value
 head) walks the chunks last to first; dh, dv2, dv_local and w never reach memory. Scalar gate or
-none; K and V 64 or 128; 16-bit inputs; sequences whole.
+none; K and V 64 or 128; 16-bit inputs; sequences whole or cut into segments (each run from its
+end's state gradient).
 
 The chunk math is split by product between two warpgroups, so that each holds at most about two
 accumulators (a split by columns would leave every product's accumulators live in both):
@@ -442,17 +443,22 @@ def _arrivals(index):
     return ARRIVALS[index]
 
 
-def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0: bool, scale: float):
-    """-> (dq, dk, dv, dbeta fp32, dg fp32 or None, dh0 fp32 or None), the sequences whole; dq and
-    dk per value head as backward_chunk.bwd_chunk gives them. h, v_new: the state pass's; ai: the
-    forward's T; do in q's dtype; dht fp32 or None."""
+def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0: bool, scale: float,
+                   cu_seqlens=None, chunk_offsets=None, num_seqs=None):
+    """-> (dq, dk, dv, dbeta fp32, dg fp32 or None, dh0 fp32 or None); dq and dk per value head as
+    backward_chunk.bwd_chunk gives them. h, v_new: the state pass's; ai: the forward's T; do in q's
+    dtype; dht fp32 or None. Over the layout's sequences, or (cu_seqlens, chunk_offsets, num_seqs
+    given) over segments of them, each from its end's state gradient in dht
+    (triton/bwd_dhu.segment_end_gradients)."""
     B, T, HQ, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dq, dk, dv, dbeta, dg = gradient_buffers(q, v, g_cum is not None)
-    dh0 = torch.empty(layout.num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
-    cu, offsets = (layout.cu_seqlens, layout.chunk_offsets) if layout.is_varlen else (None, None)
-    launch(gdn_bwd_ws_kernel, (1, layout.num_seqs * HV),
-           q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, dbeta, dg, dh0, cu, offsets, T, scale,
+    if cu_seqlens is None:
+        cu_seqlens, chunk_offsets = (layout.cu_seqlens, layout.chunk_offsets) if layout.is_varlen else (None, None)
+        num_seqs = layout.num_seqs
+    dh0 = torch.empty(num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
+    launch(gdn_bwd_ws_kernel, (1, num_seqs * HV),
+           q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, dbeta, dg, dh0, cu_seqlens, chunk_offsets, T, scale,
            HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
-           IS_VARLEN=layout.is_varlen, num_warps=4, maxnreg=168)
+           IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=168)
     return dq, dk, dv, dbeta, dg, dh0

@@ -145,6 +145,58 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
+def _runner(plan, q, k, w, beta, do, dv, g_cum, gk_cum, dh, dv2, scale: float, local_dv: bool, w_from_t: bool):
+    """The launch of gdn_bwd_dhu_kernel over some sequences (the layout's, or segments):
+    run(num_seqs, cu_seqlens, chunk_offsets, is_varlen, dht or None, dh0 or None, columns=V,
+    reach=None, **flags)."""
+    T, HQ, K = q.shape[1:]
+    HV, V = do.shape[2], do.shape[3]
+    cfg = plan.launch("bwd_dhu")
+
+    def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, reach=None, **flags):
+        launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
+               q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, reach, cu, offsets, T, scale,
+               HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
+               HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
+               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t,
+               USE_REACH=reach is not None, **flags)
+    return run
+
+
+def _join_cut(run, plan, layout: ChunkLayout, per_segment: int, dht, forward_transition, reverse_reach, K: int,
+              V: int, HV: int, device):
+    """The cut's local pass (each segment's start gradient from a zero end; with the forward's
+    cut, decayed segments run only their reach, reverse_reach) and, with the transitions (the
+    forward's transposed where known, else a pass of their own), the join right to left:
+    -> (segment layout, the gradient at each segment's end, dh0 of the sequences)."""
+    seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, device)
+    slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
+    local = torch.empty(seg.num_slots, HV, K, V, device=device, dtype=torch.float32)
+    same_cut = forward_transition is not None and per_segment == plan.segment_chunks()
+    run(*slots, None, local, STORE_STATES=False, reach=reverse_reach if same_cut else None)
+    if same_cut:
+        transition = forward_transition.transpose(-1, -2).contiguous()
+    else:
+        transition = torch.empty(seg.num_slots, HV, K, K, device=device, dtype=torch.float32)
+        run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
+    ends, dh0 = plan.join(transition, local, seg, dht, reverse=True)
+    return seg, ends, dh0
+
+
+def segment_end_gradients(plan, layout: ChunkLayout, q, k, do, g_cum, inverse: tuple, dht, scale: float,
+                          forward_transition: torch.Tensor | None = None, reverse_reach: torch.Tensor | None = None):
+    """-> (segment layout, the state gradient at each segment's end [slots, HV, K, V] fp32, dh0 fp32)
+    of bwd_dhu cut by the plan, without its per-chunk outputs: for a kernel that then runs each
+    segment from its end (gluon/backward_ws.py). Scalar gate or none; inverse = (T, beta): the
+    local pass forms the intra-chunk dv and applies w through T itself."""
+    K, HV, V = q.shape[3], do.shape[2], do.shape[3]
+    ai, beta = inverse
+    run = _runner(plan, q, k, ai, beta, do, None, g_cum, None, None, None, scale, local_dv=True, w_from_t=True)
+    return _join_cut(run, plan, layout, plan.segment_chunks("bwd_dhu"), dht, forward_transition, reverse_reach, K, V,
+                     HV, q.device)
+
+
 def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want_dh0: bool, scale: float,
             forward_transition: torch.Tensor | None = None, local_dv_dtype: torch.dtype | None = None,
             inverse: tuple | None = None, reverse_reach: torch.Tensor | None = None):
@@ -158,8 +210,7 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
     gradient's recursion is the adjoint of the state's), so they are not computed again, and
     reverse_reach (its reach for this pass, segments.py), where given, shortens the decayed
     segments' local pass."""
-    B, T, HQ, K = q.shape
-    HV, V = do.shape[2], do.shape[3]
+    K, HV, V = q.shape[3], do.shape[2], do.shape[3]
     dev = q.device
     dh = torch.empty(layout.num_chunk_states, HV, K, V, device=dev, dtype=q.dtype)
     local_dv = dv is None
@@ -173,34 +224,14 @@ def bwd_dhu(plan, layout: ChunkLayout, q, k, w, do, dv, g_cum, gk_cum, dht, want
         w, beta = inverse
     else:
         beta = None
-    cfg = plan.launch("bwd_dhu")
     per_segment = plan.segment_chunks("bwd_dhu")
-
-    def run(num_seqs, cu, offsets, is_varlen, start, end, columns=V, reach=None, **flags):
-        launch(gdn_bwd_dhu_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, reach, cu, offsets, T, scale,
-               HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
-               HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
-               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-               LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t,
-               USE_REACH=reach is not None, **flags)
-
+    run = _runner(plan, q, k, w, beta, do, dv, g_cum, gk_cum, dh, dv2, scale, local_dv, w_from_t)
     if per_segment is None:
         dh0 = torch.empty(layout.num_seqs, HV, K, V, device=dev, dtype=torch.float32) if want_dh0 else None
         cu, offsets = seq_args(layout)
         run(layout.num_seqs, cu, offsets, layout.is_varlen, dht, dh0)
         return dh, dh0, dv2
-    seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, dev)
-    slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
-    local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
-    same_cut = forward_transition is not None and per_segment == plan.segment_chunks()
-    run(*slots, None, local, STORE_STATES=False, reach=reverse_reach if same_cut else None)
-    if same_cut:
-        transition = forward_transition.transpose(-1, -2).contiguous()
-    else:
-        transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
-        run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
-    ends, dh0 = plan.join(transition, local, seg, dht, reverse=True)
-    del local, transition
-    run(*slots, ends, None)
+    seg, ends, dh0 = _join_cut(run, plan, layout, per_segment, dht, forward_transition, reverse_reach, K, V, HV,
+                               dev)
+    run(seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True, ends, None)
     return dh, dh0 if want_dh0 else None, dv2
