@@ -2,7 +2,7 @@
 launch path (binding and specialising every argument, tens of microseconds each) instead of
 runtime.launch's replay of a known signature.
 
-    python bench/host_launches.py [--steps 20] [--profile] [--breakdown] [--out DIR]
+    python bench/host_launches.py [--steps 20] [--profile] [--breakdown] [--out DIR] [--cases fwd,bwd_dhu]
 
 Per case: the host time of one step (forward + backward, or the one function), timed from the
 call to its return with the device idle before it (median of --steps samples); the GPU time of
@@ -38,7 +38,7 @@ def _counting_run(self, *args, **kwargs):
     return _triton_run(self, *args, **kwargs)
 
 
-def gdn_step(B, T, H, K, V, dtype=torch.bfloat16):
+def gdn_step(B, T, H, K, V, dtype=torch.bfloat16, backward=True):
     from flash_dma import chunk_gated_delta_rule
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
@@ -51,6 +51,8 @@ def gdn_step(B, T, H, K, V, dtype=torch.bfloat16):
 
     def step():
         o, _ = chunk_gated_delta_rule(*leaves, scale=K ** -0.5)
+        if not backward:  # a training forward: inputs need grads, the graph is dropped
+            return
         o.backward(do)
         for leaf in leaves:  # as after optimizer.zero_grad(): no accumulation kernels
             leaf.grad = None
@@ -83,6 +85,8 @@ CASES = {
     "gdn fwd+bwd B4 T4096 H16 K=V=128": lambda: gdn_step(4, 4096, 16, 128, 128),
     "gdn fwd+bwd B1 T8192 H16 K=V=128": lambda: gdn_step(1, 8192, 16, 128, 128),
     "gdn fwd+bwd B1 T256 H4 K=V=64": lambda: gdn_step(1, 256, 4, 64, 64),
+    "gdn fwd B1 T32768 H16 K=V=128": lambda: gdn_step(1, 32768, 16, 128, 128, backward=False),
+    "gdn fwd+bwd B1 T32768 H16 K=V=128": lambda: gdn_step(1, 32768, 16, 128, 128),
     "bwd_dhu B1 T2048 H16 K=V=128 (mode A)": lambda: dhu_step(1, 2048, 16, 128, 128),
     "attention fwd+bwd B2 S128 H4 D64 mask+bias causal": lambda: attention_step(2, 128, 4, 64),
 }
@@ -106,7 +110,9 @@ def host_profile(name, step, steps) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
     return f"== {name}: {steps} steps\n{text.getvalue()}"
 
 
@@ -210,7 +216,10 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also where each case's host time goes")
     parser.add_argument("--breakdown", action="store_true", help="also host time inside a few functions")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    parser.add_argument("--cases", default=None, help="only the cases whose names contain one of these, comma-separated")
     args = parser.parse_args()
+    cases = {name: make for name, make in CASES.items()
+             if args.cases is None or any(part in name for part in args.cases.split(","))}
     JITFunction.run = _counting_run
     name = torch.cuda.get_device_name()
     when = datetime.datetime.now(datetime.timezone.utc)
@@ -220,7 +229,7 @@ def main():
              "| --- | --- | --- | --- | --- |"]
     profiles = [] if args.profile else None
     breakdowns = [] if args.breakdown else None
-    for case, make in CASES.items():
+    for case, make in cases.items():
         try:
             lines.append(measure(case, make, args.steps, profiles, breakdowns))
         except Exception as exc:  # one case's failure should not hide the others'

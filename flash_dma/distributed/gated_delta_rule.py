@@ -18,7 +18,7 @@ Forward (the state pass's join, `_StateExchange.forward_join`):
    (S_{j+1} = M_j S_j + N_j, segments.join_segments) and takes the states entering its pieces;
 3. the op's own join from those states, and its second state pass: per-chunk states, outputs.
 Backward (bwd_dhu's join, `backward_join`): the same right to left. bwd_dhu's transitions are the
-forward's transposed; the composed [Nb | Mb] of every piece that continues a sequence from an
+forward's, applied transposed; the composed [Nb | Mb] of every piece that continues a sequence from an
 earlier rank travels, and each carrying piece gets the state gradient at its end.
 
 Cost against one process: the op as a sequence split would run it (what launch_table's rule
@@ -174,12 +174,13 @@ class _StateExchange:
         self.plan, self.group, self.world_size = plan, group, world_size
         self.piece_starts = None
 
-    def _compose(self, transition, local, seg, start, reverse: bool) -> torch.Tensor:
+    def _compose(self, transition, local, seg, start, reverse: bool, transposed: bool) -> torch.Tensor:
         """[N | M] of every piece: its segments joined from [start | I] with [local | 0]."""
         n, HV, K, _ = start.shape
         eye = torch.eye(K, device=local.device, dtype=torch.float32).expand(n, HV, K, K)
         local_ext = torch.cat([local, local.new_zeros(local.shape[:3] + (K,))], -1)
-        _, composed = join_segments(transition, local_ext, seg, torch.cat([start, eye], -1), reverse=reverse)
+        _, composed = join_segments(transition, local_ext, seg, torch.cat([start, eye], -1), reverse=reverse,
+                                    transposed=transposed)
         return composed
 
     def _exchange(self, direction: _Direction, composed: torch.Tensor, V: int) -> torch.Tensor:
@@ -196,23 +197,24 @@ class _StateExchange:
         entering = torch.cat([starts, finals], 0).index_select(0, direction.receive_index)
         return torch.where(direction.receives[:, None, None, None], entering, torch.zeros_like(entering))
 
-    def _join(self, direction, transition, local, seg, start, reverse: bool):
+    def _join(self, direction, transition, local, seg, start, reverse: bool, transposed: bool):
         n = self.plan.cu_seqlens.numel() - 1
         HV, K, V = local.shape[1:]
         if start is None:
             start = torch.zeros(n, HV, K, V, device=local.device, dtype=torch.float32)
         start = start.float()
         if direction is not None:
-            start = start + self._exchange(direction, self._compose(transition, local, seg, start, reverse), V)
+            start = start + self._exchange(direction, self._compose(transition, local, seg, start, reverse, transposed),
+                                           V)
         if not reverse:
             self.piece_starts = start
-        return join_segments(transition, local, seg, start, reverse=reverse)
+        return join_segments(transition, local, seg, start, reverse=reverse, transposed=transposed)
 
-    def forward_join(self, transition, local, seg, initial):
-        return self._join(self.plan.forward, transition, local, seg, initial, reverse=False)
+    def forward_join(self, transition, local, seg, initial, transposed: bool = False):
+        return self._join(self.plan.forward, transition, local, seg, initial, False, transposed)
 
-    def backward_join(self, transition, local, seg, dht):
-        return self._join(self.plan.backward, transition, local, seg, dht, reverse=True)
+    def backward_join(self, transition, local, seg, dht, transposed: bool = False):
+        return self._join(self.plan.backward, transition, local, seg, dht, True, transposed)
 
 
 class _ContextParallelDeltaRule(torch.autograd.Function):

@@ -201,13 +201,14 @@ class DeltaRulePlan:
         return chosen.value
 
     def join(self, transition: torch.Tensor, local: torch.Tensor, seg: SegmentLayout,
-             initial: torch.Tensor | None, reverse: bool = False):
+             initial: torch.Tensor | None, reverse: bool = False, transposed: bool = False):
         """The segments' join of a state pass (segments.py): (starts, final) of the forward's
-        states, or with reverse (ends, dh0) of bwd_dhu's state gradients."""
+        states, or with reverse (ends, dh0) of bwd_dhu's state gradients; transposed: the
+        transitions are applied as their transposes (bwd_dhu over the forward's)."""
         hook = self.backward_join if reverse else self.forward_join
         if hook is None:
-            return join_segments(transition, local, seg, initial, reverse=reverse)
-        return hook(transition, local, seg, initial)
+            return join_segments(transition, local, seg, initial, reverse=reverse, transposed=transposed)
+        return hook(transition, local, seg, initial, transposed=transposed)
 
     @property
     def prepare_pass(self) -> str:

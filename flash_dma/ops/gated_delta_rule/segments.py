@@ -23,7 +23,7 @@ these bounds over chunks [c, e) bounds log |M_[c,e)|: where the bound of a whole
 NEGLIGIBLE_LOG_GAIN, its transition multiplies earlier state by less than fp32's smallest normal
 number, and its end state is the local pass from the latest chunk c whose bound to the end is
 below it too: S_e = M_[c,e) S_c + N_[c,e), the first term dropped. prepare writes each chunk's
-bound (key norms from its key products); segment_reach_kernel finds each segment's c, or -1
+bound (key norms from its key products); reach_of_segment finds each segment's c, or -1
 where the segment's bound is not below it (its transition and full local pass then run as above).
 The backward's right-to-left pass mirrors it: the state gradient at a segment's start is its
 local pass over the leading chunks [s, c') alone, c' the first chunk end whose bound from the
@@ -54,6 +54,7 @@ CHUNK = 64
 # this carries nothing from earlier state that fp32 could add to a state of comparable size.
 NEGLIGIBLE_LOG_GAIN = -88.0
 _CHUNK = tl.constexpr(CHUNK)
+_LOG_GAIN = tl.constexpr(NEGLIGIBLE_LOG_GAIN)
 
 
 @dataclass(frozen=True)
@@ -145,27 +146,40 @@ def segments_of(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunk
 
 
 @triton.jit
-def segment_reach_kernel(decay_bound, seg_cu, seg_chunk_offsets, reach, HV: tl.constexpr,
-                         BLOCK: tl.constexpr, LOG_GAIN: tl.constexpr, REVERSE: tl.constexpr):
-    """One program per (segment slot, value head), -1 where the segment's whole transition bound
-    is not below LOG_GAIN (see "Decayed segments"), else: the latest chunk of the segment (local
-    index) from which its end state is the local pass alone; with REVERSE, for the backward's
-    right-to-left pass, the fewest leading chunks whose local pass alone gives the state
-    gradient at its start."""
-    slot = tl.program_id(0)
-    hv = tl.program_id(1)
-    n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), _CHUNK)
+def reach_of_segment(decay_bound, chunk0, n, hv, HV: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """A segment's reach from its n chunks' bounds (from global chunk chunk0; BLOCK >= n): -1 where
+    its whole transition bound is not below NEGLIGIBLE_LOG_GAIN (see "Decayed segments"), else
+    the latest chunk of the segment (local index) from which its end state is the local pass
+    alone; with REVERSE, for the backward's right-to-left pass, the fewest leading chunks whose
+    local pass alone gives the state gradient at its start."""
     j = tl.arange(0, BLOCK)
-    chunk = tl.load(seg_chunk_offsets + slot).to(tl.int64) + j
+    chunk = chunk0.to(tl.int64) + j
     bound = tl.load(decay_bound + chunk * HV + hv, mask=j < n, other=0.0)
     if REVERSE:
         from_start = tl.cumsum(bound, 0)  # bound of chunks [0, j]
-        found = tl.min(tl.where((j < n) & (from_start < LOG_GAIN), j + 1, BLOCK + 1), 0)
+        found = tl.min(tl.where((j < n) & (from_start < _LOG_GAIN), j + 1, BLOCK + 1), 0)
     else:
         to_end = tl.cumsum(bound, 0, reverse=True)  # bound of chunks [j, n)
-        found = tl.max(tl.where((j < n) & (to_end < LOG_GAIN), j, -1), 0)
+        found = tl.max(tl.where((j < n) & (to_end < _LOG_GAIN), j, -1), 0)
     whole = tl.sum(bound, 0)
-    tl.store(reach + slot * HV + hv, tl.where((n > 0) & (whole < LOG_GAIN), found, -1))
+    return tl.where((n > 0) & (whole < _LOG_GAIN), found, -1)
+
+
+@triton.jit
+def segment_reach_kernel(decay_bound, seg_cu, seg_chunk_offsets, reach, HV: tl.constexpr,
+                         BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """One program per (segment slot, value head): reach_of_segment into reach (the state pass
+    finds its own inline; this serves tests and callers that want the array)."""
+    slot = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.cdiv(tl.load(seg_cu + slot + 1) - tl.load(seg_cu + slot), _CHUNK)
+    found = reach_of_segment(decay_bound, tl.load(seg_chunk_offsets + slot), n, hv, HV, BLOCK, REVERSE)
+    tl.store(reach + slot * HV + hv, found)
+
+
+def reach_block(seg: SegmentLayout) -> int:
+    """reach_of_segment's BLOCK for this cut: its chunks per segment, to a power of two."""
+    return triton.next_power_of_2(seg.chunks_per_segment)
 
 
 def segment_reach(decay_bound: torch.Tensor, seg: SegmentLayout, reverse: bool = False) -> torch.Tensor:
@@ -175,16 +189,23 @@ def segment_reach(decay_bound: torch.Tensor, seg: SegmentLayout, reverse: bool =
     HV = decay_bound.shape[1]
     reach = torch.empty(seg.num_slots, HV, device=decay_bound.device, dtype=torch.int32)
     launch(segment_reach_kernel, (seg.num_slots, HV), decay_bound, seg.cu_seqlens, seg.chunk_offsets, reach,
-           HV=HV, BLOCK=triton.next_power_of_2(seg.chunks_per_segment), LOG_GAIN=NEGLIGIBLE_LOG_GAIN,
-           REVERSE=reverse)
+           HV=HV, BLOCK=reach_block(seg), REVERSE=reverse)
     return reach
+
+
+@triton.jit
+def _matrix_offsets(rows, cols, K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Offsets of the [rows, cols] elements of a row-major [K, K] matrix, or of its transpose."""
+    if TRANSPOSED:
+        return cols[None, :] * K + rows[:, None]
+    return rows[:, None] * K + cols[None, :]
 
 
 @triton.jit
 def segment_join_kernel(transition, local, initial, starts, final, first_slot, slot_count,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr, BKR: tl.constexpr, HAS_INITIAL: tl.constexpr,
-                        REVERSE: tl.constexpr, PRECISION: tl.constexpr):
+                        REVERSE: tl.constexpr, PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """One program per (V tile, sequence x head): walks the sequence's segments (right to left
     with REVERSE), storing each segment's starting state and ending with the sequence's final
     state, S <- transition[slot] S + local[slot].
@@ -193,7 +214,9 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
     BKR == BK the state stays in registers and the next step's loads depend only on the loop
     index, so they are prefetched. With BKR < BK (K = 256: an fp32 [K, K] tile does not fit) the
     product is formed in row blocks of BKR, which cannot be gathered back into one register
-    tile: the running state then goes through `final` between steps."""
+    tile: the running state then goes through `final` between steps.
+    TRANSPOSED: each transition is read as its transpose (the backward's join over the
+    forward's transitions, without a transposed copy)."""
     v_tile = tl.program_id(0)
     seq_hv = tl.program_id(1)
     seq = seq_hv // HV
@@ -219,7 +242,7 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
         tl.store(starts + base * K * V + tile_offs, state, mask=tile_mask)
         if BKR == BK:
             acc = tl.load(local + base * K * V + tile_offs, mask=tile_mask, other=0.0)
-            m = tl.load(transition + base * K * K + krows[:, None] * K + krows[None, :],
+            m = tl.load(transition + base * K * K + _matrix_offsets(krows, krows, K, TRANSPOSED),
                         mask=(krows < K)[:, None] & (krows < K)[None, :], other=0.0)
             state = tl.dot(m, state, acc=acc, input_precision=PRECISION)
         else:
@@ -228,7 +251,7 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
                 row_mask = (rows < K)[:, None] & (vcols < V)[None, :]
                 acc = tl.load(local + base * K * V + rows[:, None] * V + vcols[None, :], mask=row_mask,
                               other=0.0)
-                m = tl.load(transition + base * K * K + rows[:, None] * K + krows[None, :],
+                m = tl.load(transition + base * K * K + _matrix_offsets(rows, krows, K, TRANSPOSED),
                             mask=(rows < K)[:, None] & (krows < K)[None, :], other=0.0)
                 acc = tl.dot(m, state, acc=acc, input_precision=PRECISION)
                 tl.store(own + rows[:, None] * V + vcols[None, :], acc, mask=row_mask)
@@ -239,11 +262,12 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
 
 
 def join_segments(transition: torch.Tensor, local: torch.Tensor, layout: SegmentLayout,
-                  initial: torch.Tensor | None, reverse: bool = False):
-    """transition [num_slots, HV, K, K] fp32 (each segment's M, or M^T for the backward), local
-    [num_slots, HV, K, V] fp32 (each segment's end state from zero), initial [N, HV, K, V] or None
-    (zeros). Returns (starts [num_slots, HV, K, V] fp32: each segment's true starting state, final
-    [N, HV, K, V] fp32: each sequence's end state). Slots past the used ones keep no start (their
+                  initial: torch.Tensor | None, reverse: bool = False, transposed: bool = False):
+    """transition [num_slots, HV, K, K] fp32 (each segment's M, or M^T for the backward; with
+    transposed, the other one: applied as its transpose), local [num_slots, HV, K, V] fp32 (each
+    segment's end state from zero), initial [N, HV, K, V] or None (zeros). Returns (starts
+    [num_slots, HV, K, V] fp32: each segment's true starting state, final [N, HV, K, V] fp32:
+    each sequence's end state). Slots past the used ones keep no start (their
     passes run no chunk and store nothing)."""
     slots, HV, K, V = local.shape
     n = layout.first_slot.numel()
@@ -266,11 +290,12 @@ def join_segments(transition: torch.Tensor, local: torch.Tensor, layout: Segment
            transition, local, initial if initial is not None else local, starts, final,
            layout.first_slot, layout.slot_count,
            HV=HV, K=K, V=V, BK=bk, BV=bv, BKR=bkr, HAS_INITIAL=initial is not None, REVERSE=reverse,
-           PRECISION=precision, num_warps=warps, num_stages=stages)
+           PRECISION=precision, TRANSPOSED=transposed, num_warps=warps, num_stages=stages)
     return starts, final
 
 
-def join_segments_reference(transition, local, layout: SegmentLayout, initial, reverse: bool = False):
+def join_segments_reference(transition, local, layout: SegmentLayout, initial, reverse: bool = False,
+                            transposed: bool = False):
     """The join in fp64 with a Python loop (tests)."""
     slots, HV, K, V = local.shape
     first, count = layout.first_slot.tolist(), layout.slot_count.tolist()
@@ -281,6 +306,7 @@ def join_segments_reference(transition, local, layout: SegmentLayout, initial, r
         order = range(f + c - 1, f - 1, -1) if reverse else range(f, f + c)
         for slot in order:
             starts[slot] = state
-            state = transition[slot].double() @ state + local[slot].double()
+            m = transition[slot].double()
+            state = (m.mT if transposed else m) @ state + local[slot].double()
         final[s] = state
     return starts, final

@@ -86,16 +86,30 @@ def test_split_equals_unsplit_and_reference(name, chunks_per_segment):
 # Decayed segments (segments.py): transitions dropped where the gates provably decay them away
 
 def _reach_spy(monkeypatch):
-    """The reach arrays the state passes get (a list, filled as they run)."""
+    """The reaches the cut state passes found inline, as (forward reach, backward reach) pairs
+    (a list, filled as they run): the forward's from segment_reach (the state pass keeps no
+    array of it), checked against its effect (a decayed segment's transition is stored zero),
+    and the backward's as the local pass stored it, checked against
+    segment_reach's."""
+    from flash_dma.ops.gated_delta_rule.segments import segment_reach
     from flash_dma.ops.gated_delta_rule.triton import state_pass
     seen = []
 
-    def spy(*args, **kwargs):
-        reach = real(*args, **kwargs)
-        seen.append(reach.clone())
-        return reach
-    real = state_pass.segment_reach
-    monkeypatch.setattr(state_pass, "segment_reach", spy)
+    def spy(plan, seg, run, HV, K, V, initial_state, decay_bound=None):
+        starts, transition, final, reach_back = real(plan, seg, run, HV, K, V, initial_state, decay_bound)
+        if decay_bound is not None:
+            reach = segment_reach(decay_bound, seg)
+            zero = (transition == 0).flatten(2).all(-1)
+            assert zero[reach >= 0].all(), (zero, reach)
+            want_back = segment_reach(decay_bound, seg, reverse=True)
+            if plan.dhu_chunks_per_segment.value == seg.chunks_per_segment:
+                assert reach_back is not None and torch.equal(reach_back, want_back), (reach_back, want_back)
+            else:
+                assert reach_back is None  # it serves only a bwd_dhu cut alike
+            seen.append((reach, want_back))
+        return starts, transition, final, reach_back
+    real = state_pass._join
+    monkeypatch.setattr(state_pass, "_join", spy)
     return seen
 
 
@@ -120,8 +134,8 @@ def test_decayed_segments_equal_unsplit_and_reference(monkeypatch, lengths):
         with overrides(gdn_chunks_per_segment=2):
             split = _results(inputs, cotangents, True, **kwargs)
         monkeypatch.undo()
-        assert len(seen) == 2, "the cut forward found no reach, or none for the backward"
-        reach, reach_back = seen
+        assert len(seen) == 1, "the cut forward found no reach"
+        reach, reach_back = seen[0]
         if dropped:  # forward: from the last chunk; backward: the first chunk alone
             assert (reach >= 0).any() and not (reach > 1).any(), reach
             assert (reach_back == 1).any() and ((reach_back == 1) | (reach_back == -1)).all(), reach_back
@@ -129,6 +143,35 @@ def test_decayed_segments_equal_unsplit_and_reference(monkeypatch, lengths):
             assert (reach == -1).all() and (reach_back == -1).all(), (reach, reach_back)
         check_errors({k: (split[k], reference[k]) for k in split}, dtype)
         check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
+
+
+def test_state_pass_finds_the_reach_itself():
+    """The cut state pass finds each segment's reach inline from the bounds it is given: with
+    made-up bounds that call every segment of two chunks decayed (the gates are mild, so the
+    transitions are far from zero), those transitions are stored zero, and the backward's reach
+    stored beside them is segment_reach's."""
+    from flash_dma.ops.gated_delta_rule.autograd import _prepare
+    from flash_dma.ops.gated_delta_rule.segments import segment_reach, segments_of
+    from flash_dma.ops.gated_delta_rule.triton import state_pass
+    torch.manual_seed(5)
+    dtype = torch.float32
+    x = make_inputs(1, 64 * 4 + 9, 1, 2, 16, 16, dtype, "g", False)  # segments of 2, 2 and 1 chunks
+    layout = chunk_layout(1, x["q"].shape[1], None)
+    with overrides(gdn_chunks_per_segment=2):
+        plan = plan_call(x["q"], x["v"], True, False, layout)
+        g_cum, _, _, _, ai, _, _, _ = _prepare(plan, layout, x["q"], x["k"], x["v"], x["beta"], x["g"], None,
+                                               16 ** -0.5)
+        seg = segments_of(1, layout.seq_len, None, 2, x["q"].device)
+        # per chunk -50, -100, ...: two chunks are below NEGLIGIBLE_LOG_GAIN, the lone last one not
+        bound = torch.tensor([-50.0, -100.0] * 3, device=DEVICE)[:layout.num_chunk_states, None].repeat(1, 2)
+        args = (plan, layout, x["k"], x["v"], x["beta"], ai, g_cum, None, 2)
+        _, _, transition, _, _ = state_pass.segment_starts(*args)
+        _, _, dropped, _, reach_back = state_pass.segment_starts(*args, bound)
+    decayed = segment_reach(bound, seg) >= 0
+    assert decayed[:2].all() and not decayed[2].any()
+    assert (transition[:2].abs().amax((-1, -2)) > 1e-3).all()
+    assert (dropped[decayed] == 0).all() and torch.equal(dropped[2], transition[2])
+    assert torch.equal(reach_back, segment_reach(bound, seg, reverse=True))
 
 
 def test_segment_reach_finds_the_latest_decayed_chunk():
@@ -169,7 +212,7 @@ def test_decayed_segment_kernels_compile_for_sm90(kernel):
     seg = {"seg_cu": "*i32", "seg_chunk_offsets": "*i32"}
     if kernel.startswith("reach"):
         args = ("segments.segment_reach_kernel", {"decay_bound": "*fp32", **seg, "reach": "*i32"}, {},
-                {"HV": 4, "BLOCK": 64, "LOG_GAIN": -88.0, "REVERSE": kernel == "reach-back"})
+                {"HV": 4, "BLOCK": 64, "REVERSE": kernel == "reach-back"})
     elif kernel == "dhu-local":
         pointers = {n: "*bf16" for n in ("q", "k", "w", "beta", "do", "dv")}
         pointers.update({"g_cum": "*fp32", "gk_cum": "*fp32", "dht": "*fp32", "dh": "*bf16", "dh0": "*fp32",
@@ -188,11 +231,13 @@ def test_decayed_segment_kernels_compile_for_sm90(kernel):
     else:
         pointers = {n: "*bf16" for n in ("k", "w", "u", "v", "beta", "ai")}
         pointers.update({"g_cum": "*fp32", "gk_cum": "*fp32", "h0": "*fp32", "h": "*bf16", "v_new": "*bf16",
-                         "ht": "*fp32", "reach": "*i32", "cu_seqlens": "*i32", "chunk_offsets": "*i32"})
+                         "ht": "*fp32", "decay_bound": "*fp32", "reach_back": "*i32", "cu_seqlens": "*i32",
+                         "chunk_offsets": "*i32"})
         args = ("triton.state_pass.gdn_fwd_h_kernel", pointers, {"T": "i32"},
                 {"H": 2, "HV": 4, "K": 128, "V": 128, "BK": 128, "BV": 64, "HAS_G": True, "HAS_GK": False,
                  "HAS_H0": False, "STORE_HT": True, "WU_FROM_T": True, "IS_VARLEN": True, "STORE_STATES": False,
-                 "CONSTANT_TERMS": kernel == "local", "H0_IDENTITY": kernel == "transition", "USE_REACH": True})
+                 "CONSTANT_TERMS": kernel == "local", "H0_IDENTITY": kernel == "transition", "USE_REACH": True,
+                 "REACH_BLOCK": 64, "STORE_REACH_BACK": kernel == "local"})
     name, pointers, scalars, constants = args
     compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.{name}", pointers, scalars, constants,
                                 {"num_warps": 4}, gluon=False)
@@ -301,10 +346,10 @@ def test_context_parallel_plan_always_cuts_and_carries_its_joins():
     cu = torch.tensor([0, 100, 640], dtype=torch.int32, device=DEVICE)
     layout = chunk_layout(1, 640, cu)
 
-    def fwd(*a):
+    def fwd(*a, transposed=False):
         return "fwd"
 
-    def bwd(*a):
+    def bwd(*a, transposed=False):
         return "bwd"
     plan = plan_context_parallel(q, q, True, False, layout, fwd, bwd)
     assert plan.chunks_per_segment.value == plan.dhu_chunks_per_segment.value == launch_table.SEGMENT_CHUNKS
@@ -364,7 +409,7 @@ def test_gpu_rule_cut_with_decayed_segments_equals_unsplit(monkeypatch, shift):
         unsplit = _results(inputs, cotangents, True)
     seen = _reach_spy(monkeypatch)
     split = _results(inputs, cotangents, True)
-    assert seen and (seen[0] >= 0).any(), "the rule's cut dropped no transition"
+    assert seen and (seen[0][0] >= 0).any(), "the rule's cut dropped no transition"
     errors = check_errors({k: (split[k], unsplit[k].double()) for k in split}, dtype)
     assert all(e <= bound(k, dtype) for k, e in errors.items())
 

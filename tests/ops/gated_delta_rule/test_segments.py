@@ -43,16 +43,16 @@ def test_layout_matches_a_python_cut(cu, B, T, per):
 
 @pytest.mark.parametrize("cu, B, T, per", CASES)
 @pytest.mark.parametrize("K, V", [(16, 16), (24, 40)])
-@pytest.mark.parametrize("reverse", [False, True])
-def test_join_matches_the_loop(cu, B, T, per, K, V, reverse):
+@pytest.mark.parametrize("reverse, transposed", [(False, False), (True, False), (True, True)])
+def test_join_matches_the_loop(cu, B, T, per, K, V, reverse, transposed):
     lay = segment_layout(B, T, None if cu is None else cu.to(DEVICE, torch.int32), per, torch.device(DEVICE))
     HV, slots, n = 2, lay.num_slots, lay.first_slot.numel()
     M = torch.randn(slots, HV, K, K, device=DEVICE) * 0.3
     N = torch.randn(slots, HV, K, V, device=DEVICE)
     for initial in (None, torch.randn(n, HV, K, V, device=DEVICE)):
-        starts, final = join_segments(M, N, lay, initial, reverse)
+        starts, final = join_segments(M, N, lay, initial, reverse, transposed)
         ref_starts, ref_final = join_segments_reference(M.cpu(), N.cpu(), lay, None if initial is None else initial.cpu(),
-                                                        reverse)
+                                                        reverse, transposed)
         used = int(lay.slot_count.sum())
         assert not torch.isnan(final).any()
         torch.testing.assert_close(starts[:used].cpu().double(), ref_starts[:used], rtol=1e-5, atol=1e-5)

@@ -168,19 +168,19 @@ def _join_cut(run, plan, layout: ChunkLayout, per_segment: int, dht, forward_tra
               V: int, HV: int, device):
     """The cut's local pass (each segment's start gradient from a zero end; with the forward's
     cut, decayed segments run only their reach, reverse_reach) and, with the transitions (the
-    forward's transposed where known, else a pass of their own), the join right to left:
+    forward's, read transposed, where known, else a pass of their own), the join right to left:
     -> (segment layout, the gradient at each segment's end, dh0 of the sequences)."""
     seg = segments_of(layout.batch, layout.seq_len, layout.cu_seqlens, per_segment, device)
     slots = (seg.num_slots, seg.cu_seqlens, seg.chunk_offsets, True)
     local = torch.empty(seg.num_slots, HV, K, V, device=device, dtype=torch.float32)
     same_cut = forward_transition is not None and per_segment == plan.segment_chunks()
     run(*slots, None, local, STORE_STATES=False, reach=reverse_reach if same_cut else None)
-    if same_cut:
-        transition = forward_transition.transpose(-1, -2).contiguous()
-    else:
+    if same_cut:  # the forward's M, applied transposed by the join
+        transition = forward_transition
+    else:  # M^T of a pass of its own
         transition = torch.empty(seg.num_slots, HV, K, K, device=device, dtype=torch.float32)
         run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, DHT_IDENTITY=True)
-    ends, dh0 = plan.join(transition, local, seg, dht, reverse=True)
+    ends, dh0 = plan.join(transition, local, seg, dht, reverse=True, transposed=same_cut)
     return seg, ends, dh0
 
 

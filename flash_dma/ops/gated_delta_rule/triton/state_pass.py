@@ -7,7 +7,7 @@ import triton.language as tl
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
-from ..segments import segment_reach, segments_of
+from ..segments import reach_block, reach_of_segment, segments_of
 from .common import (
     CHUNK, chunk_inverse, initial_state, load_last, load_last_row, load_tile, load_vec, seq_args,
     sequence_program, state_ptrs, store_tile
@@ -15,13 +15,15 @@ from .common import (
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reach, cu_seqlens, chunk_offsets, T,
+def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, decay_bound, reach_back, cu_seqlens,
+                     chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr,
                      HAS_G: tl.constexpr, HAS_GK: tl.constexpr, HAS_H0: tl.constexpr,
                      STORE_HT: tl.constexpr, WU_FROM_T: tl.constexpr, IS_VARLEN: tl.constexpr,
                      STORE_STATES: tl.constexpr = True, CONSTANT_TERMS: tl.constexpr = True,
-                     H0_IDENTITY: tl.constexpr = False, USE_REACH: tl.constexpr = False):
+                     H0_IDENTITY: tl.constexpr = False, USE_REACH: tl.constexpr = False,
+                     REACH_BLOCK: tl.constexpr = 1, STORE_REACH_BACK: tl.constexpr = False):
     """One program per (V tile, sequence, head): the states h[c] at each chunk start and
     v_new = u - w h[c], chunk after chunk. BK covers all of K.
     With WU_FROM_T (scalar gate or none) w and u are not read: from the chunk's T,
@@ -34,9 +36,11 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reac
     head (gdn_chunk_cumsum_kernel writes it), with H = HV.
     Segments (segments.py) run it with STORE_STATES off (end state only, into ht), and for their
     transition M with H0_IDENTITY (the state starts as the identity; V is then K) and
-    CONSTANT_TERMS off (u, or v, taken as zero and not read). USE_REACH (segments): a decayed
-    segment (reach[segment, head] >= 0, segments.py) runs its local pass from chunk `reach` and
-    its transition as zero."""
+    CONSTANT_TERMS off (u, or v, taken as zero and not read). USE_REACH (segments): each program
+    finds its segment's reach from prepare's decay_bound (segments.reach_of_segment; REACH_BLOCK
+    covers a segment's chunks), and a decayed segment runs its local pass from that chunk and its
+    transition as zero; STORE_REACH_BACK: the local pass's first V tile also stores the reach of
+    the backward's pass into reach_back [segments, HV] (no launch of its own)."""
     seq, hv, head, bos, seq_len, chunk0, krows, vcols = sequence_program(
         cu_seqlens, chunk_offsets, T, H, HV, BK, BV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
@@ -47,7 +51,11 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reac
     n_chunks = tl.cdiv(seq_len, CHUNK)
     c_first = 0
     if USE_REACH:
-        first = tl.load(reach + seq * HV + hv)
+        first = reach_of_segment(decay_bound, chunk0, n_chunks, hv, HV, REACH_BLOCK, False)
+        if STORE_REACH_BACK:
+            if tl.program_id(0) == 0:
+                tl.store(reach_back + seq * HV + hv,
+                         reach_of_segment(decay_bound, chunk0, n_chunks, hv, HV, REACH_BLOCK, True))
         if H0_IDENTITY:
             state = tl.where(first >= 0, 0.0, state)
             c_first = tl.where(first >= 0, n_chunks, 0)
@@ -105,13 +113,13 @@ def _runner(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v
         ai = beta = None  # not read
     cfg = plan.launch("fwd_h_from_t" if from_inverse else "fwd_h")
 
-    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, reach=None, **flags):
+    def run(num_seqs, cu, offsets, is_varlen, h0, ht, columns=V, decay_bound=None, reach_back=None, **flags):
         launch(gdn_fwd_h_kernel, (ceil_div(columns, cfg.block_v), num_seqs * HV),
-               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, reach,
+               k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, decay_bound, reach_back,
                cu, offsets, T, H=H, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v,
                HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
                STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
-               USE_REACH=reach is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+               USE_REACH=decay_bound is not None, STORE_REACH_BACK=reach_back is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     return run
 
 
@@ -173,12 +181,15 @@ def _join(plan, seg, run, HV: int, K: int, V: int, initial_state, decay_bound=No
     dev = seg.cu_seqlens.device
     local = torch.empty(seg.num_slots, HV, K, V, device=dev, dtype=torch.float32)
     transition = torch.empty(seg.num_slots, HV, K, K, device=dev, dtype=torch.float32)
-    reach = None if decay_bound is None else segment_reach(decay_bound, seg)
-    run(*slots, None, local, STORE_STATES=False, reach=reach)
-    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True,
-        reach=reach)
-    starts, final = plan.join(transition, local, seg, initial_state)
     # the backward's reach serves only a bwd_dhu cut like this pass
     dhu_alike = plan.dhu_chunks_per_segment.value == seg.chunks_per_segment
-    reach_back = segment_reach(decay_bound, seg, reverse=True) if decay_bound is not None and dhu_alike else None
+    reach_back = None
+    reach = {}
+    if decay_bound is not None:
+        reach = dict(decay_bound=decay_bound, REACH_BLOCK=reach_block(seg))
+        if dhu_alike:
+            reach_back = torch.empty(seg.num_slots, HV, device=dev, dtype=torch.int32)
+    run(*slots, None, local, STORE_STATES=False, reach_back=reach_back, **reach)
+    run(*slots, None, transition, columns=K, STORE_STATES=False, CONSTANT_TERMS=False, H0_IDENTITY=True, **reach)
+    starts, final = plan.join(transition, local, seg, initial_state)
     return starts, transition, final, reach_back

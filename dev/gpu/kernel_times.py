@@ -1,0 +1,77 @@
+"""Per-kernel GPU times of one call of the gated delta rule (torch.profiler, several steps):
+each kernel's mean duration, their sum, and the span from the first kernel's start to the last
+one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
+
+    python dev/gpu/kernel_times.py ["B1 T32768 H16" ...] [--backward]
+"""
+import argparse
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+from flash_dma import chunk_gated_delta_rule  # noqa: E402
+
+
+def make(B, T, H, K=128, V=128, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
+    g = torch.nn.functional.logsigmoid(torch.rand(B, T, H, device="cuda"))  # the report's decays
+    beta = torch.rand(B, T, H, device="cuda", dtype=dtype).sigmoid()
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="*", default=["B1 T32768 H16"])
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    ns = ap.parse_args()
+    for label in ns.shapes:
+        B, T, H = (int(part[1:]) for part in label.split())
+        leaves = make(B, T, H)
+        do = torch.randn_like(leaves[2])
+
+        def step():
+            o, _ = chunk_gated_delta_rule(*leaves, scale=128 ** -0.5)
+            if ns.backward:
+                o.backward(do)
+                for leaf in leaves:
+                    leaf.grad = None
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(ns.steps):
+                step()
+                torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        per = collections.defaultdict(list)
+        for e in events:
+            per[e.name].append(e.device_time)
+        n = len(events) // ns.steps
+        spans = []
+        for s in range(ns.steps):
+            chunk = events[s * n:(s + 1) * n]
+            spans.append(max(e.time_range.end for e in chunk) - min(e.time_range.start for e in chunk))
+        total = sum(sum(v) for v in per.values()) / ns.steps
+        print(f"== {label} {'fwd+bwd' if ns.backward else 'fwd'}: {n} kernels a step, kernel sum {total:.0f} us, "
+              f"span median {sorted(spans)[len(spans) // 2]:.0f} us")
+        for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
+            print(f"  {sum(times) / ns.steps:8.1f} us  x{len(times) / ns.steps:g}  {name[:90]}")
+        last = events[-n:]  # the last step's timeline: where the GPU waits for the host
+        t0 = last[0].time_range.start
+        print("  last step: start us (idle before it) duration  kernel")
+        end = t0
+        for e in last:
+            print(f"    {e.time_range.start - t0:8.1f} ({e.time_range.start - end:6.1f}) {e.device_time:8.1f}  {e.name[:60]}")
+            end = e.time_range.end
+
+
+if __name__ == "__main__":
+    main()
