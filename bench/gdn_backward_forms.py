@@ -4,7 +4,7 @@ forming the intra-chunk dv and w itself) and the warp-role backward (gluon/backw
 it after the state pass in one kernel). Forward and forward + backward do_bench medians per
 form, the backward as their difference; gradients compared with the first form's.
 
-    python bench/gdn_backward_forms.py [--out DIR] [--forms passes,dhu_ws,backward_ws] [--shapes 0,1] [--segments whole|rule|N]
+    python bench/gdn_backward_forms.py [--out DIR] [--forms passes,dhu_ws,backward_ws] [--shapes 0,1] [--segments whole|rule|N] [--decays bench|slow|mixed]
 
 Sequences run whole by default; --segments rule lets the plan's rule cut them as in a plain call
 (the forward's state passes for one long sequence, and with the warp-role backward bwd_dhu too);
@@ -45,15 +45,22 @@ FORMS = {  # name: the overrides that select it
 }
 
 
-def make(B, T, H, lengths, K=128, V=128, dtype=torch.bfloat16):
+# gate shifts, g = logsigmoid(x + shift): the op report's (about e^-10 a chunk), slow ones (about
+# e^-0.06 a chunk: nothing decays away), and half the heads each (a layer's heads differ so)
+DECAYS = {"bench": (2.0,), "slow": (7.0,), "mixed": (2.0, 7.0)}
+
+
+def make(B, T, H, lengths, K=128, V=128, dtype=torch.bfloat16, decays="bench"):
     gen = torch.Generator(device="cuda").manual_seed(0)
+    shifts = DECAYS[decays]
+    shift = torch.tensor(shifts, device="cuda").repeat_interleave(-(-H // len(shifts)))[:H]
 
     def randn(*s):
         return torch.randn(*s, generator=gen, device="cuda")
 
     norm = torch.nn.functional.normalize
     x = dict(q=norm(randn(B, T, H, K), dim=-1).to(dtype), k=norm(randn(B, T, H, K), dim=-1).to(dtype),
-             v=randn(B, T, H, V).to(dtype), g=torch.nn.functional.logsigmoid(randn(B, T, H) + 2),
+             v=randn(B, T, H, V).to(dtype), g=torch.nn.functional.logsigmoid(randn(B, T, H) + shift),
              beta=torch.rand(B, T, H, generator=gen, device="cuda").sigmoid().to(dtype))
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda",
                                                    dtype=torch.int32)
@@ -66,6 +73,7 @@ def main():
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--shapes", default=None, help="indices into SHAPES (default: all)")
     ap.add_argument("--segments", default="whole", help="whole, rule, or chunks per segment")
+    ap.add_argument("--decays", default="bench", choices=list(DECAYS), help="the gates: " + str(DECAYS))
     ns = ap.parse_args()
     forms = ns.forms.split(",")
     cut = {"whole": {"gdn_chunks_per_segment": 0}, "rule": {}}.get(ns.segments)
@@ -76,12 +84,12 @@ def main():
     lines = [f"# the backward's forms | {name} | torch {torch.__version__} | triton {triton.__version__} | "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, no states; "
              "public op, do_bench medians, ms; backward = fwd+bwd - fwd; "
-             f"segments: {ns.segments}",
+             f"segments: {ns.segments}; decays: {ns.decays}",
              f"| shape | fwd | bwd {' / '.join(forms)} | bwd speed-up over {forms[0]} | max rel. diff of grads to "
              f"{forms[0]} |",
              "| --- | --- | --- | --- | --- |"]
     for label, B, T, H, lengths in shapes:
-        x, cu, do = make(B, T, H, lengths)
+        x, cu, do = make(B, T, H, lengths, decays=ns.decays)
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         row = {}
         for form in forms:
