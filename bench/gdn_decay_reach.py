@@ -23,9 +23,10 @@ from flash_dma import chunk_gated_delta_rule  # noqa: E402
 from flash_dma.benchmarks.common import write_lines  # noqa: E402
 from flash_dma.ops.gated_delta_rule.launch_table import SEGMENT_CHUNKS  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
+from bench.gdn_backward_forms import make  # noqa: E402
 
 SHAPES = [(1, 32768, 16), (1, 16384, 16), (2, 16384, 16)]  # B, T, H: sequences the rule cuts
-DECAYS = {"bench": 2.0, "slow": 7.0}
+DECAYS = ("bench", "slow")  # gdn_backward_forms.DECAYS: the report's gates, and ones that do not decay away
 FORMS = {  # name: overrides
     "uncut": {"gdn_chunks_per_segment": 0},
     "cut": {"gdn_decay_reach": False},  # the rule's cut: the forward's state passes
@@ -33,19 +34,6 @@ FORMS = {  # name: overrides
     "both+reach": {"gdn_chunks_per_segment": SEGMENT_CHUNKS},  # bwd_dhu cut alike
     "both": {"gdn_chunks_per_segment": SEGMENT_CHUNKS, "gdn_decay_reach": False},
 }
-
-
-def make(B, T, H, shift, K=128, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, device="cuda")
-
-    norm = torch.nn.functional.normalize
-    x = dict(q=norm(randn(B, T, H, K), dim=-1).to(dtype), k=norm(randn(B, T, H, K), dim=-1).to(dtype),
-             v=randn(B, T, H, K).to(dtype), g=torch.nn.functional.logsigmoid(randn(B, T, H) + shift),
-             beta=torch.rand(B, T, H, generator=gen, device="cuda").sigmoid().to(dtype))
-    return x, randn(B, T, H, K).to(dtype)
 
 
 def main():
@@ -59,8 +47,8 @@ def main():
              "over uncut | max rel. diff of o to uncut |",
              "| --- | --- | --- | --- | --- | --- |"]
     for B, T, H in SHAPES:
-        for decay, shift in DECAYS.items():
-            x, do = make(B, T, H, shift)
+        for decay in DECAYS:
+            x, _, do = make(B, T, H, None, decays=decay)
             leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
             row = {}
             for form, over in FORMS.items():
