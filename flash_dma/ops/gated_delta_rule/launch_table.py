@@ -84,6 +84,10 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
         # the state pass that forms w, u from T (one more product per chunk) keeps 32-wide
         # tiles up to two waves
         return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
+    if kernel == "bwd_dhu" and kp > 128:
+        # 64-wide tiles need more shared memory than an SM has at K = 256 (about 238 KB: the
+        # launch failed), from a quarter of the SMs' worth of pairs or a cut on
+        return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
     width = min(vp, 64)
     if kernel in ("fwd_h", "fwd_h_from_t") and pairs * (vp // width) > sm_count:
         # 3 stages: T is read in 16 bits

@@ -208,6 +208,8 @@ GPU_SHAPES = {  # (B, T, H, HV, K, V, gate, states)
     "gva-kda-128": (2, 4096, 4, 8, 128, 128, "g+gk", True),
     "gk-K64-V128": (1, 4096, 4, 4, 64, 128, "gk", True),
     "K256-V256": (2, 2048, 2, 2, 256, 256, "g", True),
+    # more (sequence, head) pairs than a quarter of the SMs: the state passes' widest tiles
+    "K256-V256-64-pairs": (4, 512, 16, 16, 256, 256, "g", True),
     "K48-V32": (1, 1000, 2, 2, 48, 32, "g", True),
     "gva-128": (1, 4096, 4, 8, 128, 128, "g", True),
     "no-gate-gva-K64-V128": (2, 2048, 2, 4, 64, 128, "none", True),

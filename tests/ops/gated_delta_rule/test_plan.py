@@ -141,3 +141,11 @@ def test_forward_state_passes_cut_only_where_the_sweep_found_it_pays():
     assert plan(1, 16384, 16).dhu_chunks_per_segment.value is None
     for B, T, H in ((1, 8192, 16), (4, 32768, 32)):
         assert plan(B, T, H).chunks_per_segment.value is None
+
+
+@pytest.mark.parametrize("pairs", [16, 64, 512])
+def test_bwd_dhu_tiles_fit_shared_memory_at_K256(pairs):
+    """At K = 256 bwd_dhu's 64-wide tiles need about 238 KB of shared memory (the launch fails on
+    an H100 or H200): the rule keeps it at 32 wide however many programs run."""
+    cfg = launch_table._sequential("bwd_dhu", 256, 256, pairs, 132)
+    assert cfg.block_k == 256 and cfg.block_v <= 32

@@ -371,6 +371,9 @@ GPU_CASES = {  # name: (B, T, H, K, V, gate, states, varlen lengths or None)
     "B1-T8192-H16-g+gk": (1, 8192, 16, 128, 128, "g+gk", True, None),
     "B1-T8192-H16-none": (1, 8192, 16, 128, 128, "none", False, None),
     "varlen-T8192-H16-g": (1, 8192, 16, 128, 128, "g", True, [5000, 1, 0, 64, 1000, 2127]),
+    # the widest head dims, and K != V: the segment passes' transitions are [K, K]
+    "B2-T2048-H4-K256-g": (2, 2048, 4, 256, 256, "g", True, None),
+    "B1-T3000-H4-K64-V256-g": (1, 3000, 4, 64, 256, "g", True, None),
 }
 
 
