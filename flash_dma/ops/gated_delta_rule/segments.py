@@ -261,36 +261,55 @@ def segment_join_kernel(transition, local, initial, starts, final, first_slot, s
     tl.store(own + tile_offs, state, mask=tile_mask)
 
 
+@dataclass(frozen=True)
+class JoinTiles:
+    """The join kernel's launch: V tile, rows of the transition per product (block_rows < K:
+    row blocks, the state through memory between steps), warps, stages, product precision."""
+    block_v: int
+    block_rows: int
+    num_warps: int
+    num_stages: int
+    precision: str
+
+
+def join_tiles(K: int, V: int, on_gpu: bool) -> JoinTiles:
+    """On the GPU the whole [K, K] transition in one product up to K = 128 (8 warps hold it and
+    its tf32x3 halves without spilling) in V tiles of 16 with three stages (the fastest of 18 at
+    K = V = 128, bench/sweep_gdn_join.py: twice the programs of 32-wide tiles, each transition
+    still read from L2 by a pair's programs); row blocks of 64 beyond, V tiles of 32. In the
+    interpreter: small fp32 blocks."""
+    bk = max(16, triton.next_power_of_2(K))
+    if not on_gpu:
+        return JoinTiles(16, min(16, bk), 1, 1, "ieee")
+    if bk <= 128:
+        return JoinTiles(16, bk, 8, 3, "tf32x3")
+    return JoinTiles(min(32, max(16, triton.next_power_of_2(V))), 64, 4, 1, "tf32x3")
+
+
 def join_segments(transition: torch.Tensor, local: torch.Tensor, layout: SegmentLayout,
-                  initial: torch.Tensor | None, reverse: bool = False, transposed: bool = False):
+                  initial: torch.Tensor | None, reverse: bool = False, transposed: bool = False,
+                  tiles: JoinTiles | None = None):
     """transition [num_slots, HV, K, K] fp32 (each segment's M, or M^T for the backward; with
     transposed, the other one: applied as its transpose), local [num_slots, HV, K, V] fp32 (each
     segment's end state from zero), initial [N, HV, K, V] or None (zeros). Returns (starts
     [num_slots, HV, K, V] fp32: each segment's true starting state, final [N, HV, K, V] fp32:
     each sequence's end state). Slots past the used ones keep no start (their
-    passes run no chunk and store nothing)."""
+    passes run no chunk and store nothing). tiles: the launch (default join_tiles)."""
     slots, HV, K, V = local.shape
     n = layout.first_slot.numel()
     starts = torch.empty(slots, HV, K, V, device=local.device, dtype=torch.float32)
     final = torch.empty(n, HV, K, V, device=local.device, dtype=torch.float32)
     if n == 0:
         return starts, final
-    on_gpu = local.device.type == "cuda" and not interpreter_active()
+    if tiles is None:
+        tiles = join_tiles(K, V, local.device.type == "cuda" and not interpreter_active())
     bk = max(16, triton.next_power_of_2(K))
-    if on_gpu:
-        # the whole [K, K] transition in one product up to K = 128 (8 warps hold it and its
-        # tf32x3 halves without spilling), row blocks of 64 beyond; V tiles of 32 keep a
-        # (sequence, head) pair's few programs reading each transition from L2
-        bkr = bk if bk <= 128 else 64
-        bv = min(32, max(16, triton.next_power_of_2(V)))
-        warps, stages, precision = (8 if bkr == bk else 4), (2 if bkr == bk else 1), "tf32x3"
-    else:
-        bkr, bv, warps, stages, precision = min(16, bk), 16, 1, 1, "ieee"
-    launch(segment_join_kernel, (ceil_div(V, bv), n * HV),
+    launch(segment_join_kernel, (ceil_div(V, tiles.block_v), n * HV),
            transition, local, initial if initial is not None else local, starts, final,
            layout.first_slot, layout.slot_count,
-           HV=HV, K=K, V=V, BK=bk, BV=bv, BKR=bkr, HAS_INITIAL=initial is not None, REVERSE=reverse,
-           PRECISION=precision, TRANSPOSED=transposed, num_warps=warps, num_stages=stages)
+           HV=HV, K=K, V=V, BK=bk, BV=tiles.block_v, BKR=tiles.block_rows, HAS_INITIAL=initial is not None,
+           REVERSE=reverse, PRECISION=tiles.precision, TRANSPOSED=transposed, num_warps=tiles.num_warps,
+           num_stages=tiles.num_stages)
     return starts, final
 
 
