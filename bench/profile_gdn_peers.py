@@ -5,6 +5,9 @@ first-launch order, then each side's kernel total. bf16, the op report's inputs.
 
     python bench/profile_gdn_peers.py [--cases "B8 T4096 H32,B1 T32768 H16"] [--fla] [--out DIR]
 
+KDA cases (per-key gate) run our op with gk and FLA's chunk_kda; FlashQLA is left out where it
+has no path (K = V = 256, KDA).
+
 Writes the tables to DIR/gdn-kernels-<device>-<date>.txt as well as to stdout.
 """
 import argparse
@@ -66,20 +69,23 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("profile_gdn_peers.py: no CUDA GPU here")
     notes: list[str] = []
-    sides = {"ours": gdn.load_ours("chunk_gated_delta_rule", notes)}
+    ours = gdn.load_ours("chunk_gated_delta_rule", notes)
+    # who -> (op, op for the per-key gate cases: KDA, as FLA's chunk_kda is called)
+    sides = {"ours": (ours, None if ours is None else gdn.with_per_key_gate(ours))}
     qla = gdn.load_flash_qla(notes)
     if qla is not None:
-        sides["FlashQLA"] = qla.op
+        sides["FlashQLA"] = (qla.op, None)
     if args.fla:
         fla = gdn.load_fla(notes)
         if fla is not None:
-            sides["FLA"] = fla.op
+            sides["FLA"] = (fla.op, getattr(fla, "kda", None))
     lines = [f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"] + notes
     for case in gdn.op_plan(False, [c.strip() for c in args.cases.split(",")]):
         x = gdn.make_op_inputs(case, "cuda", seed=case.T + case.H + case.B)
-        for who, fn in sides.items():
-            if fn is None:
+        for who, (op, kda) in sides.items():
+            fn = kda if case.per_key_gate else op
+            if fn is None or (who == "FlashQLA" and gdn.flash_qla_no_path(case, qla)):
                 continue
             fwd, fwd_bwd = calls_of(fn, case, x)
             for what, call in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):

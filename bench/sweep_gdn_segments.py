@@ -3,8 +3,11 @@ the unsplit op beside every forced chunks_per_segment, to derive the rule that p
 (plan.py's gdn_chunks_per_segment, None today).
 
     python bench/sweep_gdn_segments.py [--splits 2,4,8,16,32] [--shapes LABELS] [--kda] [--tiles BV:W:S,...]
+                                       [--decays slow|report]
 
-One process, bf16, K = V = 128, scalar gate g (--kda adds the per-key gate rows). Each split's
+One process, bf16, K = V = 128 (256 where the label says K256), scalar gate g (--kda adds the
+per-key gate rows); gates logsigmoid(N(0, 1) + 4) (slow: about e^-1.3 a chunk), or with --decays
+report the op report's logsigmoid(U(0, 1)) (about e^-30 a chunk, where decayed segments apply). Each split's
 outputs are checked against the unsplit call's first (relative norm error, printed), so a wrong
 split cannot pass as a fast one. --tiles also runs every forced split with the state passes'
 tiles forced (fwd_h, fwd_h_from_t and bwd_dhu at BV columns, W warps, S stages; all of K), beside
@@ -25,28 +28,36 @@ from flash_dma.benchmarks.gdn import VARLEN_SEED, varlen_lengths  # noqa: E402
 from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
 from flash_dma.runtime.config import overrides  # noqa: E402
 
-# (label, B, T, H, packed lengths or None)
+# (label, B, T, H, packed lengths or None, K = V)
 SHAPES = [
-    ("B1 T8192 H16", 1, 8192, 16, None),
-    ("B1 T32768 H16", 1, 32768, 16, None),
-    ("B4 T4096 H16", 4, 4096, 16, None),
-    ("varlen T32768 H16", 1, 32768, 16, varlen_lengths(32768, VARLEN_SEED)),
-    ("varlen T8192 H16", 1, 8192, 16, varlen_lengths(8192, VARLEN_SEED)),
+    ("B1 T8192 H16", 1, 8192, 16, None, 128),
+    ("B1 T32768 H16", 1, 32768, 16, None, 128),
+    ("B4 T4096 H16", 4, 4096, 16, None, 128),
+    ("varlen T32768 H16", 1, 32768, 16, varlen_lengths(32768, VARLEN_SEED), 128),
+    ("varlen T8192 H16", 1, 8192, 16, varlen_lengths(8192, VARLEN_SEED), 128),
+    ("B2 T8192 H8 K256", 2, 8192, 8, None, 256),
+    ("B2 T4096 H16", 2, 4096, 16, None, 128),  # the KDA row of the op report (with --kda)
 ]
 
 
-def make_inputs(B, T, H, lengths, per_key_gate, device="cuda", dtype=torch.bfloat16, K=128, V=128):
+def make_inputs(B, T, H, lengths, per_key_gate, device="cuda", dtype=torch.bfloat16, K=128, V=128,
+                decays="slow"):
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*size):
         return torch.randn(*size, generator=gen, device=device)
 
+    def gate(*size):
+        if decays == "report":
+            return torch.nn.functional.logsigmoid(torch.rand(*size, generator=gen, device=device))
+        return torch.nn.functional.logsigmoid(randn(*size) + 4)
+
     norm = torch.nn.functional.normalize
     n = B if lengths is None else len(lengths)
     x = {"q": norm(randn(B, T, H, K), dim=-1).to(dtype), "k": norm(randn(B, T, H, K), dim=-1).to(dtype),
          "v": randn(B, T, H, V).to(dtype),
-         "g": torch.nn.functional.logsigmoid(randn(B, T, H) + 4),
-         "gk": torch.nn.functional.logsigmoid(randn(B, T, H, K) + 4) if per_key_gate else None,
+         "g": gate(B, T, H),
+         "gk": gate(B, T, H, K) if per_key_gate else None,
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "initial_state": randn(n, H, K, V) * 0.1,
          "do": randn(B, T, H, V).to(dtype), "dht": randn(n, H, K, V) * 0.1}
@@ -81,6 +92,7 @@ def main() -> int:
     parser.add_argument("--kda", action="store_true", help="also the per-key gate (g + gk)")
     parser.add_argument("--tiles", default="", help="state-pass tiles BV:warps:stages to force on the splits, comma-separated")
     parser.add_argument("--tag", default="", help="suffix of the results file")
+    parser.add_argument("--decays", choices=("slow", "report"), default="slow")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_gdn_segments.py: no CUDA GPU here; nothing can be timed")
@@ -90,16 +102,17 @@ def main() -> int:
     device = torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-")
     lines = [f"== gated delta rule: state passes cut into segments (chunks_per_segment) ==",
              f"device: {env['device']} ({env['sm_count']} SMs) | torch {env['torch']} | triton {env['triton']} | "
-             f"CUDA {env['cuda']} | {datetime.date.today():%Y-%m-%d} | bf16, K = V = 128, h0 + final state",
+             f"CUDA {env['cuda']} | {datetime.date.today():%Y-%m-%d} | bf16, K = V = 128 unless said, h0 + final state, "
+             f"{args.decays} decays",
              "ms: median of triton.testing.do_bench; speed-up against unsplit; err: max relative norm error of "
              "the outputs and gradients against the unsplit call",
              f"{'shape':<28} {'split':>16} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'err':>9}"]
     print("\n".join(lines), flush=True)
-    for label, B, T, H, lengths in SHAPES:
+    for label, B, T, H, lengths, K in SHAPES:
         if wanted and label not in wanted:
             continue
         for kda in ((False, True) if args.kda else (False,)):
-            x = make_inputs(B, T, H, lengths, kda)
+            x = make_inputs(B, T, H, lengths, kda, K=K, V=K, decays=args.decays)
             name = label + (" KDA" if kda else "") + (f" ({len(lengths)} seqs)" if lengths else "")
             base_fwd = base_all = None
             reference = None
@@ -110,7 +123,7 @@ def main() -> int:
                 if split is not None:
                     forced["gdn_chunks_per_segment"] = split
                 if tile is not None:
-                    cfg = GdnConfig(128, *tile)
+                    cfg = GdnConfig(K, *tile)
                     forced.update(gdn_fwd_h=cfg, gdn_fwd_h_from_t=cfg, gdn_bwd_dhu=cfg)
                 with overrides(**forced):
                     with torch.no_grad():

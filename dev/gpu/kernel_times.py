@@ -2,7 +2,9 @@
 each kernel's mean duration, their sum, and the span from the first kernel's start to the last
 one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
 
-    python dev/gpu/kernel_times.py ["B1 T32768 H16" ...] [--backward]
+    python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
+
+A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g).
 """
 import argparse
 import collections
@@ -16,14 +18,25 @@ import torch  # noqa: E402
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
 
 
-def make(B, T, H, K=128, V=128, dtype=torch.bfloat16):
+def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16):
+    """(q, k, v, g, beta, gk): g = logsigmoid(U(0, 1)) per head (the report's decays), or with
+    per_key the same per key as gk (g None)."""
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
     v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
-    g = torch.nn.functional.logsigmoid(torch.rand(B, T, H, device="cuda"))  # the report's decays
+    gate = torch.nn.functional.logsigmoid(torch.rand(B, T, H, *((K,) if per_key else ()), device="cuda"))
     beta = torch.rand(B, T, H, device="cuda", dtype=dtype).sigmoid()
-    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+    leaves = [t.requires_grad_() for t in (q, k, v, gate, beta)]
+    return leaves, dict(g=None, beta=leaves[4], gk=leaves[3]) if per_key else dict(g=leaves[3], beta=leaves[4])
+
+
+def parse(label):
+    """(B, T, H, K, per_key) of a shape label."""
+    parts = label.split()
+    B, T, H = (int(part[1:]) for part in parts[:3])
+    K = next((int(p[1:]) for p in parts[3:] if p.startswith("K")), 128)
+    return B, T, H, K, "kda" in parts[3:]
 
 
 def main():
@@ -33,12 +46,12 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ns = ap.parse_args()
     for label in ns.shapes:
-        B, T, H = (int(part[1:]) for part in label.split())
-        leaves = make(B, T, H)
+        B, T, H, K, per_key = parse(label)
+        leaves, gates = make(B, T, H, K, K, per_key)
         do = torch.randn_like(leaves[2])
 
         def step():
-            o, _ = chunk_gated_delta_rule(*leaves, scale=128 ** -0.5)
+            o, _ = chunk_gated_delta_rule(leaves[0], leaves[1], leaves[2], scale=K ** -0.5, **gates)
             if ns.backward:
                 o.backward(do)
                 for leaf in leaves:

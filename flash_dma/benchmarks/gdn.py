@@ -710,7 +710,7 @@ def peak_memory_note(label: str, results: dict) -> str | None:
     return f"peak memory of one fwd+bwd above the live set, MiB, {label}: " + ", ".join(parts)
 
 
-def _with_per_key_gate(op):
+def with_per_key_gate(op):
     """Our op called as FLA's chunk_kda is: the gate argument is the per-key gk."""
     def kda(q, k, v, g, beta, **kwargs):
         return op(q, k, v, None, beta, gk=g, **kwargs)
@@ -731,7 +731,7 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
         peers[QLA_PEER] = (QLA_PEER, None if no_path else qla.op)
         msgs[QLA_PEER] = [no_path] if no_path else []
     if case.per_key_gate and ours is not None:
-        ours = _with_per_key_gate(ours)
+        ours = with_per_key_gate(ours)
     res: dict[str, OpResult | None] = {}
     for who, fn in (("ours", ours), *((who, fn) for who, (_, fn) in peers.items())):
         res[who] = None
