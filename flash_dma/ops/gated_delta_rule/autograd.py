@@ -3,10 +3,10 @@
 Forward: prepare (gates, WY representation) -> states -> output; where T is kept and the GPU is
 full, the state pass forms the WY products from T itself. On SM90, where enough programs run,
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
-states nor v_new. The backward keeps what FLA keeps
-(the inputs, the scalar gate's cumsums and the per-chunk inverse T, no per-chunk states): it
-recomputes w, u and the states, then runs the state-gradient pass (bwd_dhu) and the
-chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
+states nor v_new. The backward keeps about what FLA keeps (the inputs, the scalar gate's
+cumsums and the per-chunk inverse T; with the per-key gate T and the gated query-key products;
+no per-chunk states): it recomputes w, u and the states (with gk the gated q and k too), then
+runs the state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
 kernels are the plan's backend's (one module per pass).
 """
 from __future__ import annotations
@@ -59,9 +59,9 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
             output_final_state: bool):
-    """-> (o, final state or None, g_cum and T where the backward reuses them, else None,
-    segments: (starts, transitions, backward reach or None) of a sequence split of the state pass,
-    else None)."""
+    """-> (o, final state or None, g_cum, T and the gated query-key products where the backward
+    reuses them, else None, segments: (starts, transitions, backward reach or None) of a sequence
+    split of the state pass, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -83,11 +83,15 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
                                                           output_final_state, decay_bound=decay_bound)
         del w, u, k_gated
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
-    # Kept for the backward, as FLA keeps them: T and the scalar gate's cumsums (not per chunk
-    # states), where the backward can reuse them.
-    if not plan.keep_inverse:
+    # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
+    # reuse them: T and the scalar gate's cumsums; with gk T and the gated pair products.
+    if plan.keep_gated_pairs:
+        g_cum = None
+    elif not plan.keep_inverse:
         g_cum = ai = None
-    return o, final, g_cum, ai, segments
+    if not plan.keep_gated_pairs:
+        aqk = None
+    return o, final, g_cum, ai, aqk, segments
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
@@ -115,10 +119,10 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
-             g_cum, ai, segments=None):
-    """g_cum and ai: the forward's gate cumsums and T, or None where it keeps neither; segments:
-    the forward's (starts, transitions, backward reach or None) of its sequence split, or None
-    (recomputed)."""
+             g_cum, ai, aqk=None, segments=None):
+    """g_cum, ai and aqk: the forward's gate cumsums, T and (gk) gated query-key products, or
+    None where it keeps them not; segments: the forward's (starts, transitions, backward reach or
+    None) of its sequence split, or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
@@ -130,6 +134,9 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
+    elif gk is not None:  # T and the gated pair products kept: the gates and w, u again
+        g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, True)
+        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai, gk_cum=gk_cum)
     elif ((warp_roles or dhu_warp_roles) and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
         # the state pass forms v_new from T and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
@@ -198,25 +205,26 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
 
 
 def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: bool, cu_seqlens):
-    """The forward of one call, planned: -> (o, final state or None, g_cum, ai, layout, plan), g_cum
-    and ai as forward() keeps them for the backward. Shared with the custom ops (custom_op.py)."""
+    """The forward of one call, planned: -> (o, final state or None, g_cum, ai, aqk, segments,
+    layout, plan), g_cum, ai and aqk as forward() keeps them for the backward. Shared with the
+    custom ops (custom_op.py)."""
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens)
     plan = plan_call(q, v, g is not None, gk is not None, layout)
-    o, final, g_cum, ai, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                            output_final_state)
+    o, final, g_cum, ai, aqk, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
+                                                 output_final_state)
     layout.zero_rows_outside(o)
-    return o, final, g_cum, ai, segments, layout, plan
+    return o, final, g_cum, ai, aqk, segments, layout, plan
 
 
 def run_backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
-                 g_cum, ai, do, dht, segments=None):
+                 g_cum, ai, aqk, do, dht, segments=None):
     """-> (dq, dk, dv, dg, dgk, dbeta in beta's dtype, dh0); dg, dgk, dh0 None where absent."""
     do = as_rows(do)
     dht = None if dht is None else dht.float().contiguous()
     with device_guard(q.device):
         dq, dk, dv, dg, dgk, dbeta, dh0 = backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                   do, dht, g_cum, ai, segments)
+                                                   do, dht, g_cum, ai, aqk, segments)
         layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
     return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), dh0
 
@@ -246,19 +254,21 @@ def run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens):
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
-        o, final, g_cum, ai, segments, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
-                                                                  output_final_state, cu_seqlens)
+        o, final, g_cum, ai, aqk, segments, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
+                                                                       output_final_state, cu_seqlens)
         seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
-        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions, seg_reach)
+        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, aqk, seg_starts, seg_transitions,
+                              seg_reach)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, gk, beta, initial_state, g_cum, ai, seg_starts, seg_transitions, seg_reach = ctx.saved_tensors
+        (q, k, v, g, gk, beta, initial_state, g_cum, ai, aqk, seg_starts, seg_transitions,
+         seg_reach) = ctx.saved_tensors
         segments = None if seg_starts is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
-                                                       initial_state, g_cum, ai, do, dht, segments)
+                                                       initial_state, g_cum, ai, aqk, do, dht, segments)
         return first_order_only("chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
                                 (q, k, v, g, gk, beta, initial_state))

@@ -152,6 +152,14 @@ def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
     return not has_gk and K % 64 == 0 and V % 64 == 0
 
 
+def keeps_gated_pairs(K: int, V: int, has_gk: bool) -> bool:
+    """With gk, whether the forward keeps T and the gated query-key products for the backward
+    (FLA's chunk_kda keeps its gate cumsums and both products): the backward then forms only
+    the gate cumsums, the gated q and k, and w, u from T again, not the pair products (16
+    programs a chunk) and the inverse. Head dims as keeps_inverse."""
+    return has_gk and K % 64 == 0 and V % 64 == 0
+
+
 # The forward state passes' sequence split (segments.py), from bench/sweep_gdn_segments.py and
 # bench/profile_gdn_segments.py (docs/perf/gated_delta_rule.md): B1 T32768 H16 ran its forward
 # 1.20x faster cut into segments of 64 chunks, while T8192 (128 chunks) and 20 packed

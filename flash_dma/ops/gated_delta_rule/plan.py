@@ -98,6 +98,7 @@ class DeltaRulePlan:
     per_key_gate: bool  # gk given
     inverse_precision: str  # products of the blockwise inverse: "ieee" or "tf32"
     keep_inverse: bool  # the forward keeps T and the gate cumsums; the backward recomputes from them
+    keep_gated_pairs: bool  # with gk: the forward keeps T and the gated query-key products
     split_prepare: Chosen  # bool
     states_from_inverse: Chosen  # bool, forward
     backward_states_from_inverse: Chosen  # bool
@@ -360,7 +361,8 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                 for name in passes}
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
-    return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep, split,
+    return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep,
+                         launch_table.keeps_gated_pairs(K, V, has_gk), split,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
@@ -487,7 +489,7 @@ def plan_bwd_dhu(device: torch.device, B: int, T: int, H: int, HV: int, K: int, 
         off = Chosen(False, "rule")
         shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", layout.is_varlen),
                  ("gates", _gates(has_g, has_gk)))
-        return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, off, off, off,
+        return DeltaRulePlan("triton", device_info(device), shape, has_gk, "ieee", False, False, off, off, off,
                              {"bwd_dhu": launch_table.choose("bwd_dhu", K, V, device, chains)}, segments, segments)
     return _memoised(key, build)
 

@@ -199,6 +199,8 @@ SHAPES = {  # (B, T, H, HV, K, V, gate, states)
     "K64-kept-T": (1, 70, 1, 1, 64, 64, "g", False),
     "K64-kept-T-gva": (1, 70, 1, 2, 64, 128, "g", True),
     "K64-kept-T-no-gate": (2, 67, 1, 1, 64, 64, "none", True),
+    # with gk the forward keeps T and the gated pair products; the backward forms w, u from them
+    "K64-kept-pairs-g+gk-gva": (1, 70, 1, 2, 64, 64, "g+gk", True),
 }
 
 

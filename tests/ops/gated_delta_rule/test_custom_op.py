@@ -13,7 +13,7 @@ from helpers import assert_compiled_matches_eager, assert_same
 from conftest import DEVICE
 from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
 from flash_dma.ops.gated_delta_rule.custom_op import gated_delta_rule_fwd
-from flash_dma.ops.gated_delta_rule.launch_table import keeps_inverse
+from flash_dma.ops.gated_delta_rule.launch_table import keeps_gated_pairs, keeps_inverse
 
 
 def _leaf(*shape):
@@ -45,8 +45,10 @@ def test_gates_and_states_fullgraph_dynamic():
 
 def test_per_key_gate_varlen_fullgraph():
     """Per-key gate gk alone (Kimi Delta Attention), packed sequences (cu_seqlens, one empty),
-    initial and final state."""
-    H, K, V = 1, 16, 16
+    initial and final state; K = V = 64, where the forward keeps T and the gated pair products
+    for the backward (extra outputs of the forward op)."""
+    H, K, V = 1, 64, 64
+    assert keeps_gated_pairs(K, V, True)
     lengths = [7, 0, 5]
     T, n = sum(lengths), len(lengths)
     cu = torch.tensor([0, 7, 7, 12], device=DEVICE, dtype=torch.int32)
@@ -142,7 +144,7 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
                                        torch.sigmoid(leaves[4]).detach(), K ** -0.5, leaves[5].detach(), True,
                                        None, False)
         slots = segment_bound(B, T, None, 1)
-        assert outputs[4].shape == (slots, H, K, V) and outputs[5].shape == (slots, H, K, K)
+        assert outputs[5].shape == (slots, H, K, V) and outputs[6].shape == (slots, H, K, K)
         q, k, v, g_raw, beta_raw, h0 = leaves
         torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, F.logsigmoid(g_raw), None, torch.sigmoid(beta_raw),
                                                      0.25, h0, True, None, True))

@@ -137,6 +137,27 @@ def test_gradients_repeat():
         assert rel_err(second, first) <= TOLERANCE[dtype] / 10, name
 
 
+def test_kept_gated_pairs_are_not_formed_again(monkeypatch):
+    """With gk at whole 64-wide tiles the forward keeps T and the gated pair products: the
+    backward forms neither again (no gated_pairs or prepare launch), and its gradients still
+    match the reference (test_against_reference[K64-kept-pairs-g+gk-gva])."""
+    from flash_dma.ops.gated_delta_rule.triton import gate_pairs, wy_prepare
+    inputs = make_inputs(1, 70, 1, 1, 64, 64, DTYPES[-1], "gk", False)
+    leaves, o, _ = run_op(inputs)  # a first call (and its compile-ahead dry run, where it runs)
+    calls = []
+    for module, name in ((gate_pairs, "gated_pairs"), (wy_prepare, "prepare")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    leaves, o, _ = run_op(inputs)
+    assert calls == ["gated_pairs", "prepare"], calls
+    torch.autograd.grad(o, list(leaves.values()), torch.randn_like(o))
+    assert calls == ["gated_pairs", "prepare"], f"formed again in the backward: {calls}"
+
+
 def test_failed_compile_ahead_leaves_the_call_working(monkeypatch):
     """Compiling ahead is a speed-up only: if its dry run fails, the call warns and runs as usual."""
     import contextlib

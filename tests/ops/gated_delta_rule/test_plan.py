@@ -41,6 +41,9 @@ def test_strategies_and_their_sources():
     for gated in (_plan(gk=True), _plan(K=48)):
         assert not gated.keep_inverse
         assert gated.split_prepare.value is False and gated.split_prepare.source == "rule"
+    # with gk at whole 64-wide tiles T and the gated pair products are kept instead
+    assert _plan(gk=True).keep_gated_pairs and not _plan().keep_gated_pairs
+    assert not _plan(gk=True, K=48).keep_gated_pairs
     with overrides(gdn_split_prepare=False, gdn_states_from_inverse=False,
                    gdn_backward_states_from_inverse=True):
         forced = _plan()

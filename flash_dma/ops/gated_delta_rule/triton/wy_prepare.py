@@ -246,34 +246,45 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
 
 @triton.jit
 def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_heads, dst_head,
-                         D: tl.constexpr, BD: tl.constexpr, tok0, rows, n_valid):
-    """dst = T diag(row_scale) src for one chunk, in [64, BD] tiles over the head dim D."""
+                         D: tl.constexpr, BD: tl.constexpr, tok0, rows, n_valid, hv, HV: tl.constexpr,
+                         key_gate=None, row_log=None):
+    """dst = T diag(row_scale) src for one chunk, in [64, BD] tiles over the head dim D; with
+    key_gate ([.., HV, D] fp32, the per-key gate cumsums) src is gated element-wise by
+    e^(key_gate + row_log) first, as prepare gates it."""
     dt = dst.dtype.element_ty
     t_dt = tmat.to(dt)
     for start in range(0, D, BD):
         cols = start + tl.arange(0, BD)
         x = load_tile(src, tok0, rows, src_heads, src_head, D, cols, n_valid) * row_scale[:, None]
+        if key_gate is not None:
+            x = x * tl.exp(load_tile(key_gate, tok0, rows, HV, hv, D, cols, n_valid) + row_log[:, None])
         store_tile(dst, tl.dot(t_dt, x.to(dt)), tok0, rows, dst_heads, dst_head, D, cols, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_recompute_wu_kernel(k, v, beta, g_cum, ai, w, u, chunk_map, cu_seqlens, T,
+def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr,
                             HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr):
-    """The backward's w = T diag(beta e^g) K and (STORE_U) u = T diag(beta) V, from the T and gate
-    cumsums that the forward kept (scalar gate only): one 64-row product per tile instead of a
-    second prepare. Without u the state pass forms v_new from T itself."""
+    """The backward's w = T diag(beta e^g) K (with gk_cum: T diag(beta) (K . e^(g + gk))) and
+    (STORE_U) u = T diag(beta) V, from the T and gate cumsums that the forward kept: one 64-row
+    product per tile instead of a second prepare. Without u the state pass forms v_new from T
+    itself."""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
     if HAS_G:
-        row_gate = tl.exp(load_vec(g_cum, tok0, rows, HV, hv, n_valid)) * beta_t
+        b = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
     else:
-        row_gate = beta_t
-    _t_times_scaled_rows(tmat, row_gate, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid)
+        b = tl.zeros([CHUNK], dtype=tl.float32)
+    if gk_cum is not None:
+        _t_times_scaled_rows(tmat, beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV, gk_cum, b)
+    elif HAS_G:
+        _t_times_scaled_rows(tmat, tl.exp(b) * beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV)
+    else:
+        _t_times_scaled_rows(tmat, beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV)
     if STORE_U:
-        _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid)
+        _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid, hv, HV)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,8 +323,9 @@ def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_w
     return g_cum, w, u
 
 
-def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool = True):
-    """w and (with_u) u from the forward's T and gate cumsums (scalar gate only); u None without."""
+def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool = True, gk_cum=None):
+    """w and (with_u) u from the forward's T and gate cumsums (with gk, its cumsums gk_cum too:
+    key_gate_cumsums); u None without."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -322,7 +334,7 @@ def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool 
     cfg = plan.launch("recompute_wu")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
-           k, v, beta, g_cum, ai, w, u, chunk_map, cu, T,
+           k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
            IS_VARLEN=layout.is_varlen, STORE_U=with_u, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, u
