@@ -87,7 +87,7 @@ def _sequential(kernel: str, kp: int, vp: int, pairs: int, sm_count: int) -> Gdn
     if kernel == "bwd_dhu" and kp > 128:
         # 64-wide tiles need more shared memory than an SM has at K = 256 (about 238 KB: the
         # launch failed), from a quarter of the SMs' worth of pairs or a cut on
-        return GdnConfig(kp, 32, num_warps=4, num_stages=stages)
+        return GdnConfig(kp, min(vp, 32), num_warps=4, num_stages=stages)
     width = min(vp, 64)
     if kernel in ("fwd_h", "fwd_h_from_t") and pairs * (vp // width) > sm_count:
         # 3 stages: T is read in 16 bits
@@ -144,9 +144,10 @@ def config_name(cfg: GdnConfig) -> str:
 # Strategy rules (plan.py makes them declared choices)
 # ------------------------------------------------------------------------------------------------
 def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
-    """Whether the backward recomputes w, u from the forward's T (else prepare runs again, and
-    the forward keeps nothing extra). Not with gk: its per-key cumsums and query-key products
-    would cost more to keep than to recompute. Not with head dims that leave 64-wide tiles partly
+    """Whether the backward recomputes w, u from the forward's T and scalar gate cumsums (else
+    prepare runs again, or with gk see keeps_gated_pairs). Not with gk: its w also needs the
+    per-key cumsums, [B, T, HV, K] in fp32, which cost more to keep than to form again (the
+    backward forms them with the gated q and k it needs anyway). Not with head dims that leave 64-wide tiles partly
     masked: the recompute kernel then read shared memory out of bounds on Triton 3.6 / Hopper
     (compute-sanitizer)."""
     return not has_gk and K % 64 == 0 and V % 64 == 0

@@ -532,7 +532,8 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
         layout = chunk_layout(B, T, None)
     plan = plan_call(q, v, has_g, has_gk, layout)
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
-             f"T kept for the backward: {plan.keep_inverse}"]
+             f"T kept for the backward: {plan.keep_inverse or plan.keep_gated_pairs}"
+             f"{' (with the gated pair products)' if plan.keep_gated_pairs else ''}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
                  "dhu_chunks_per_segment", "fused_forward", "longest_first",
                  "fused_backward", "dhu_local_dv",

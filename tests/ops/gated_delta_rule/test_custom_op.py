@@ -155,3 +155,23 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
     # every forward (compiled, eager; on the GPU also the first call's compile-ahead dry run) cuts,
     # and every backward's recompute is given the forward's segments
     assert known_in_backward.count(True) == known_in_backward.count(False) >= 2, known_in_backward
+
+
+def test_fake_forward_keeps_what_the_forward_keeps():
+    """The forward op's fake outputs have the kept tensors' shapes and dtypes (bf16 inputs): with
+    gk T in fp32 (wy_prepare.inverse_buffer) and the gated pair products in fp32, no gate cumsums;
+    with the scalar gate T in bf16 and the cumsums, no pair products."""
+    from flash_dma.ops.gated_delta_rule.custom_op import _gated_delta_rule_fwd_fake
+    from flash_dma.ops.gated_delta_rule.triton.wy_prepare import inverse_buffer
+    B, T, H, K = 1, 70, 2, 64
+    q = torch.empty(B, T, H, K, device="meta", dtype=torch.bfloat16)
+    gate = torch.empty(B, T, H, K, device="meta", dtype=torch.float32)
+    beta = torch.empty(B, T, H, device="meta", dtype=torch.bfloat16)
+    o, _, g_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, None, gate, beta, 0.125, None, False, None, False)
+    assert o.shape == (B, T, H, K) and g_cum.numel() == 0
+    assert ai.dtype == inverse_buffer(q, H, True).dtype == torch.float32 and ai.shape == (B, T, H, 64)
+    assert aqk.dtype == torch.float32 and aqk.shape == (B, T, H, 64)
+    _, _, g_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None, False,
+                                                            None, False)
+    assert g_cum.shape == (B, T, H) and g_cum.dtype == torch.float32
+    assert ai.dtype == inverse_buffer(q, H, False).dtype == torch.bfloat16 and aqk.numel() == 0

@@ -113,7 +113,7 @@ VARLEN_LENGTHS = [1, 64, 0, 20, 50]  # a single token, exactly one chunk, an emp
 # grouped value heads with the scalar gate; the per-key gate (three times the interpreter's time)
 # on one value head
 @pytest.mark.parametrize("gate,cu_dtype,HV,K,V", [("g", torch.int32, 2, 16, 32), ("g+gk", torch.int64, 1, 16, 32),
-                                                  ("g", torch.int32, 2, 64, 64)])
+                                                  ("g", torch.int32, 2, 64, 64), ("gk", torch.int32, 1, 64, 64)])
 def test_varlen(gate, cu_dtype, HV, K, V):
     dtype = DTYPES[-1]
     cu = cu_from_lengths(VARLEN_LENGTHS, cu_dtype)
@@ -270,11 +270,12 @@ def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate", ["g", "gk"])
-def test_gpu_first_call_compiles_every_kernel_ahead(gate, monkeypatch):
+@pytest.mark.parametrize("gate,K", [("g", 96), ("gk", 96), ("gk", 192)])
+def test_gpu_first_call_compiles_every_kernel_ahead(gate, K, monkeypatch):
     """The first call's dry run (compiling and loading in parallel) must cover every launch of
     its forward and backward: nothing may compile or load once the real call runs. Head count 3
-    and K = 96 are constants no other test uses, so the kernels are new here."""
+    and K = 96 or 192 are constants no other test uses, so the kernels are new here (K = 192
+    with gk: the backward from the kept T and gated pair products)."""
     import triton
     from flash_dma.runtime import launch as launch_mod
     from flash_dma.ops.gated_delta_rule import interface
@@ -291,7 +292,7 @@ def test_gpu_first_call_compiles_every_kernel_ahead(gate, monkeypatch):
                             lambda module, function, name, *a: late.append(("loaded", name)))
 
     monkeypatch.setattr(interface, "compile_ahead_of_first_call", then_watch)
-    inputs = make_inputs(1, 300, 3, 3, 96, 64, torch.bfloat16, gate, True)
+    inputs = make_inputs(1, 300, 3, 3, K, 64, torch.bfloat16, gate, True)
     check_against_reference(inputs, torch.bfloat16, output_final_state=True)
     assert not late, f"during the real call: {late}"
 
