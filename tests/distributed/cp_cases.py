@@ -59,7 +59,8 @@ def _attn_varlen(name, layout, worlds=(2, 3), **p):
 # Per-key gates cost three times the scalar gate in the interpreter: one case.
 CPU_CASES = [
     _gdr("gdr-g-states", "contiguous", worlds=(2,), T=48, H=1, HV=1, K=16, V=16, gate="g", states=True),
-    _gdr("gdr-gk-states-l2norm", "contiguous", worlds=(3,), T=48, H=1, HV=1, K=16, V=16, gate="gk",
+    # K = V = 64: the forward keeps T and the gated pair products for the backward
+    _gdr("gdr-gk-states-l2norm", "contiguous", worlds=(3,), T=48, H=1, HV=1, K=64, V=64, gate="gk",
          states=True, l2norm=True),
     # one sequence through every rank, grouped value heads
     _gdr("gdr-zigzag-gva", "zigzag", worlds=(2,), T=48, H=1, HV=2, K=16, V=16, gate="g",
