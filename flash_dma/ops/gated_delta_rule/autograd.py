@@ -6,8 +6,9 @@ the states and the output are one fused kernel (gluon/) that writes neither the 
 states nor v_new. The backward keeps about what FLA keeps (the inputs, the scalar gate's
 cumsums and the per-chunk inverse T; with the per-key gate T and the gated query-key products;
 no per-chunk states): it recomputes w, u and the states (with gk the gated q and k too), then
-runs the state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each step goes is the call's plan (plan.py); the
-kernels are the plan's backend's (one module per pass).
+runs the state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each
+step goes is the call's plan (plan.py); the kernels are the plan's backend's (one module per
+pass).
 """
 from __future__ import annotations
 
@@ -85,10 +86,10 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T and the gated pair products.
-    if plan.keep_gated_pairs:
+    if not plan.keep_inverse:
         g_cum = None
-    elif not plan.keep_inverse:
-        g_cum = ai = None
+    if not plan.keeps_t:
+        ai = None
     if not plan.keep_gated_pairs:
         aqk = None
     return o, final, g_cum, ai, aqk, segments

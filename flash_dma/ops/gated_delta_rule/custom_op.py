@@ -5,9 +5,10 @@ flash_dma::gated_delta_rule_bwd  (do, dht?, q, k, v, ...) -> (dq, dk, dv, dg, dg
 flash_dma::gated_delta_rule_bwd_dhu  the public state-gradient pass -> (dh, dh0, dv2)
 
 The forward's g_cum, ai and aqk (the gate cumsums, T and, with gk, the gated query-key products
-that the eager Function keeps for its backward, where the plan keeps them) and, where the plan cuts the state pass into segments, each segment's
-starting state and transition are outputs of the forward op, marked non-differentiable, so the
-backward op reuses them as the eager backward does. Their shapes follow from the plan, which
+that the eager Function keeps for its backward, where the plan keeps them) and, where the plan
+cuts the state pass into segments, each segment's starting state and transition are outputs of
+the forward op, marked non-differentiable, so the backward op reuses them as the eager backward
+does. Their shapes follow from the plan, which
 depends only on shapes, dtypes and the device, so the fake functions derive them the same way.
 A plan is a Python object and cannot cross an op's boundary: the backward op re-plans (plan_call
 is memoised) and re-reads the layout (cached per cu_seqlens tensor). Absent outputs are empty
@@ -105,7 +106,7 @@ def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v
     layout = chunk_layout(B, T, cu_seqlens)
     plan = plan_call(q, v, g is not None, gk is not None, layout)
     g_cum = g_cum if plan.keep_inverse and g is not None else None
-    ai = ai if plan.keep_inverse or plan.keep_gated_pairs else None
+    ai = ai if plan.keeps_t else None
     aqk = aqk if plan.keep_gated_pairs else None
     # the forward's cut, where it made one with this plan (overrides changed between the two
     # calls would give another plan: the segments are then computed again)

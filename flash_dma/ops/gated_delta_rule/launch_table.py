@@ -143,22 +143,27 @@ def config_name(cfg: GdnConfig) -> str:
 # ------------------------------------------------------------------------------------------------
 # Strategy rules (plan.py makes them declared choices)
 # ------------------------------------------------------------------------------------------------
+def _recompute_tiles_whole(K: int, V: int) -> bool:
+    """Whether the recompute of w, u from a kept T runs on whole 64-wide tiles: with partly
+    masked ones the recompute kernel read shared memory out of bounds on Triton 3.6 / Hopper
+    (compute-sanitizer), so nothing is kept for it."""
+    return K % 64 == 0 and V % 64 == 0
+
+
 def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
     """Whether the backward recomputes w, u from the forward's T and scalar gate cumsums (else
     prepare runs again, or with gk see keeps_gated_pairs). Not with gk: its w also needs the
     per-key cumsums, [B, T, HV, K] in fp32, which cost more to keep than to form again (the
-    backward forms them with the gated q and k it needs anyway). Not with head dims that leave 64-wide tiles partly
-    masked: the recompute kernel then read shared memory out of bounds on Triton 3.6 / Hopper
-    (compute-sanitizer)."""
-    return not has_gk and K % 64 == 0 and V % 64 == 0
+    backward forms them with the gated q and k it needs anyway)."""
+    return not has_gk and _recompute_tiles_whole(K, V)
 
 
 def keeps_gated_pairs(K: int, V: int, has_gk: bool) -> bool:
     """With gk, whether the forward keeps T and the gated query-key products for the backward
     (FLA's chunk_kda keeps its gate cumsums and both products): the backward then forms only
     the gate cumsums, the gated q and k, and w, u from T again, not the pair products (16
-    programs a chunk) and the inverse. Head dims as keeps_inverse."""
-    return has_gk and K % 64 == 0 and V % 64 == 0
+    programs a chunk) and the inverse."""
+    return has_gk and _recompute_tiles_whole(K, V)
 
 
 # The forward state passes' sequence split (segments.py), from bench/sweep_gdn_segments.py and

@@ -120,6 +120,12 @@ class DeltaRulePlan:
     backward_warp_roles: Chosen = Chosen(False, "table")  # bool: gluon/backward_ws.py (bwd_dhu + chunk backward)
     decay_reach: Chosen = Chosen(False, "table")  # bool: the forward cut's decayed segments (segments.py)
 
+    @property
+    def keeps_t(self) -> bool:
+        """Whether the forward keeps T for the backward (with the scalar gate's cumsums, or with
+        gk the gated pair products)."""
+        return self.keep_inverse or self.keep_gated_pairs
+
     def fused_forward_form(self) -> int | str | None:
         """The fused forward's form ("ws": warp roles; 64, 128: the one-role kernel's V tile),
         or None (the Triton passes); logged like a launch."""
@@ -532,7 +538,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
         layout = chunk_layout(B, T, None)
     plan = plan_call(q, v, has_g, has_gk, layout)
     lines = [f"backend {plan.backend}; gates {_gates(has_g, has_gk)}; inverse products {plan.inverse_precision}; "
-             f"T kept for the backward: {plan.keep_inverse or plan.keep_gated_pairs}"
+             f"T kept for the backward: {plan.keeps_t}"
              f"{' (with the gated pair products)' if plan.keep_gated_pairs else ''}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
                  "dhu_chunks_per_segment", "fused_forward", "longest_first",

@@ -458,7 +458,8 @@ def bwd_sequential(layout, q, k, v, v_new, h, do, ai, g_cum, beta, dht, want_dh0
         num_seqs = layout.num_seqs
     dh0 = torch.empty(num_seqs, HV, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
     launch(gdn_bwd_ws_kernel, (1, num_seqs * HV),
-           q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, dbeta, dg, dh0, cu_seqlens, chunk_offsets, T, scale,
+           q, k, v, v_new, h, do, ai, g_cum, beta, dht, dq, dk, dv, dbeta, dg, dh0, cu_seqlens, chunk_offsets, T,
+           scale,
            HQ=HQ, HV=HV, K=K, V=V, HAS_G=g_cum is not None, HAS_DHT=dht is not None, STORE_DH0=want_dh0,
            IS_VARLEN=cu_seqlens is not None, num_warps=4, maxnreg=168)
     return dq, dk, dv, dbeta, dg, dh0
