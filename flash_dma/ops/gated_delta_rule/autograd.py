@@ -192,12 +192,16 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     grads = ops.bwd_dqkw.bwd_dqkw(plan, layout, q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, scale)
     del h, dh, v_new
     dv, dbeta, dg, d_a = ops.bwd_wy.bwd_wy(plan, layout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)
-    dgk = None
+    dgk = finished = None
     if gk is not None:
-        ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a, grads.dq,
-                                      grads.dk, dbeta, grads.db, scale)
+        # without grouped value heads the kernel writes the finished dq and dk itself
+        finished = ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a,
+                                                 grads.dq, grads.dk, dbeta, grads.db, scale,
+                                                 final_dtype=grads.dq.shape[2] == H)
         dgk = ops.key_gates.gate_gradients(plan, layout, grads.db, dg)
-    if grads.direct:
+    if finished is not None:
+        dq, dk = finished
+    elif grads.direct:
         dq, dk = grads.dq, grads.dk_out
     else:
         dq = _group_sum(grads.dq, H).to(q.dtype)

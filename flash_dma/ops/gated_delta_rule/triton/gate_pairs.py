@@ -70,7 +70,7 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
 
 
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db,
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
                                chunk_map, cu_seqlens, T, part_stride, scale,
                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -80,7 +80,9 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     per-key gate terms db, with the forward's factorisation around reference rows. Both share
     their decay factors and k's right-hand factor, so one program does both. One program per
     (chunk, head, K tile, 16-row block b) (part K tile * 4 + b on grid axis 0): row b of dP, dA gives the
-    gradients of row b's q and beta k, column b those of row b's k."""
+    gradients of row b's q and beta k, column b those of row b's k.
+    dq_out, dk_out (H = HV; or None): the finished dq and dk in their own dtype, written there
+    instead of adding into the fp32 buffers (this program is the last to touch its tile)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK * BLOCKS)
     k_tile, blk = outer_and_block(part)
@@ -158,10 +160,19 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * (q_b * dq_b - k_b * dkp_b)
              + (beta_b * k_b * dka_b - k_b * dkc_b), mask=mask)
     ptrs, mask = tile_ptrs(dq, tok0, rows_b, HV, hv, K, cols, n_valid)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * dq_b, mask=mask)
+    dq_b = tl.load(ptrs, mask=mask, other=0.0) + scale * dq_b
+    if dq_out is not None:
+        out_ptrs, _ = tile_ptrs(dq_out, tok0, rows_b, HV, hv, K, cols, n_valid)
+        tl.store(out_ptrs, dq_b.to(dq_out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptrs, dq_b, mask=mask)
     ptrs, mask = tile_ptrs(dk, tok0, rows_b, HV, hv, K, cols, n_valid)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_b + beta_b * dka_b + dkc_b,
-             mask=mask)
+    dk_b = tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_b + beta_b * dka_b + dkc_b
+    if dk_out is not None:
+        out_ptrs, _ = tile_ptrs(dk_out, tok0, rows_b, HV, hv, K, cols, n_valid)
+        tl.store(out_ptrs, dk_b.to(dk_out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptrs, dk_b, mask=mask)
     # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a fixed
     # order: atomics across tiles made dbeta vary in its last bits from run to run)
     store_vec(dbeta_parts + k_tile.to(tl.int64) * part_stride, tl.sum(k_b * dka_b, axis=1),
@@ -187,17 +198,22 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: fl
 
 
 def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta, db,
-                   scale: float) -> None:
+                   scale: float, final_dtype: bool = False):
     """With gk: both pairwise matrices' gradients at once, added to dq, dk, dbeta and db (after
-    the WY kernel: all the adds commute)."""
+    the WY kernel: all the adds commute). final_dtype (q/k heads = value heads): -> (dq, dk) in
+    q's and k's dtype, written by the kernel (no fp32 write-back and cast); else None and the
+    sums land in the fp32 dq, dk."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
     cfg = plan.launch("pair_grad")
     k_tiles = ceil_div(K, cfg.block_k)
     dbeta_parts = torch.empty(k_tiles, B, T, HV, device=k.device, dtype=torch.float32)
+    dq_out = torch.empty_like(q) if final_dtype else None
+    dk_out = torch.empty_like(k) if final_dtype else None
     chunk_map, cu = chunk_args(layout)
     launch(gdn_gated_pair_grad_kernel, (layout.num_slots * k_tiles * BLOCKS_PER_CHUNK, B * HV),
-           q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, chunk_map,
+           q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, chunk_map,
            cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
            IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     dbeta += dbeta_parts.sum(0)
+    return (dq_out, dk_out) if final_dtype else None
