@@ -1,12 +1,15 @@
-"""One pass of the gated delta rule's forward under other launch configurations, timed through the
-public forward at given shapes.
+"""One pass of the gated delta rule under other launch configurations, timed through the public
+op at given shapes (the forward, or with --backward the forward + backward).
 
-    python bench/sweep_gdn_pass.py [--pass prepare_t] [--shapes "B8 T4096 H32,B1 T32768 H16"] [--out DIR]
+    python bench/sweep_gdn_pass.py [--pass prepare_t] [--shapes "B8 T4096 H32,B2 T4096 H16 kda"]
+                                   [--backward] [--out DIR]
 
-Per shape: the passes the forward launches (the plan's choices), then the forward's do_bench
-median under each candidate configuration of the swept pass (the plan's own first; for the
-prepare passes tune.candidates_for, for the sequential state passes V tiles of 16-64 with 2-8
-warps and 2-3 stages), each checked against the plan's output (a candidate that differs is
+A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g).
+
+Per shape: the passes the call launches (the plan's choices), then its do_bench median under
+each candidate configuration of the swept pass (the plan's own first; tune.candidates_for, plus
+all of K for pair_grad; for the sequential state passes V tiles of 16-64 with 2-8 warps and 2-3
+stages), each checked against the plan's output and gradients (a candidate that differs is
 reported, never timed). The table's defaults change only on evidence from both Hopper cards;
 `flash-dma tune gdn` stores a card's own winners. Writes DIR/<pass>-sweep-<device>-<date>.txt.
 """
@@ -29,39 +32,61 @@ from flash_dma.runtime import config  # noqa: E402
 SEQUENTIAL_CANDIDATES = [GdnConfig(128, bv, w, s) for bv, w, s in itertools.product((16, 32, 64), (2, 4, 8), (2, 3))]
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    fields = dict((part[0], int(part[1:])) for part in text.split())
-    return fields["B"], fields["T"], fields["H"]
+def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
+    """(B, T, H, K, per_key) of a shape label."""
+    parts = text.split()
+    fields = dict((part[0], int(part[1:])) for part in parts if part != "kda")
+    return fields["B"], fields["T"], fields["H"], fields.get("K", 128), "kda" in parts
 
 
-def inputs(B, T, H, K=128, V=128, seed=0):
+def inputs(B, T, H, K=128, per_key=False, seed=0):
+    """(q, k, v, beta, gates): unit-norm q and k; gates {g} per head, or {gk} per key (KDA),
+    natural-log decays logsigmoid(N(2, 1))."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*s):
         return torch.randn(*s, generator=gen, device="cuda")
 
     norm = torch.nn.functional.normalize
+    gate = torch.nn.functional.logsigmoid(randn(B, T, H, *((K,) if per_key else ())) + 2)
     return (norm(randn(B, T, H, K), dim=-1).to(torch.bfloat16), norm(randn(B, T, H, K), dim=-1).to(torch.bfloat16),
-            randn(B, T, H, V).to(torch.bfloat16), torch.nn.functional.logsigmoid(randn(B, T, H) + 2),
-            torch.rand(B, T, H, generator=gen, device="cuda").sigmoid().to(torch.bfloat16))
+            randn(B, T, H, K).to(torch.bfloat16),
+            torch.rand(B, T, H, generator=gen, device="cuda").sigmoid().to(torch.bfloat16),
+            {"gk" if per_key else "g": gate})
+
+
+def candidates(pass_name: str, K: int) -> list[GdnConfig]:
+    if pass_name in launch_table.SEQUENTIAL:
+        return SEQUENTIAL_CANDIDATES
+    out = tune.candidates_for(pass_name, K, K, quick=False)
+    if pass_name == "pair_grad" and K > 64:  # one K tile of all of K: the gates loaded once
+        out += [GdnConfig(K, 16, w, s) for w, s in itertools.product((4, 8), (1, 2))]
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pass", dest="pass_name", default="prepare_t")
     ap.add_argument("--shapes", default="B8 T4096 H32,B4 T4096 H16,B1 T32768 H16")
+    ap.add_argument("--backward", action="store_true", help="time and check the forward + backward")
     ap.add_argument("--out", default="bench/results")
     ns = ap.parse_args()
     name = torch.cuda.get_device_name()
     lines = [f"# {ns.pass_name} sweep | {name} | torch {torch.__version__} | triton {triton.__version__} | "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | bf16, K = V = 128, g, "
-             "public forward ms (do_bench median)"]
-    sequential = ns.pass_name in launch_table.SEQUENTIAL
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | bf16, K = V (128 unless "
+             f"named), public {'forward + backward' if ns.backward else 'forward'} ms (do_bench median)"]
     for label in ns.shapes.split(","):
-        q, k, v, g, beta = inputs(*parse_shape(label))
+        B, T, H, K, per_key = parse_shape(label)
+        q, k, v, beta, gates = inputs(B, T, H, K, per_key)
+        leaves = [q, k, v, beta, *gates.values()]
+        if ns.backward:
+            for leaf in leaves:
+                leaf.requires_grad_()
+        do = torch.randn_like(v)
 
         def forward():
-            return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+            out = chunk_gated_delta_rule(q, k, v, gates.get("g"), beta, gk=gates.get("gk"))[0]
+            return list(torch.autograd.grad(out, leaves, do)) if ns.backward else [out]
 
         with tune._PassRecorder() as seen:
             reference = forward()
@@ -70,13 +95,13 @@ def main():
             lines.append(f"{ns.pass_name} does not run here")
             continue
         plain = triton.testing.do_bench(forward)
-        candidates = SEQUENTIAL_CANDIDATES if sequential else tune.candidates_for(ns.pass_name, 128, 128, quick=False)
         results = [(plain, None)]
-        for cfg in candidates:
+        for cfg in candidates(ns.pass_name, K):
             with config.overrides(**{f"gdn_{ns.pass_name}": cfg}):
                 try:
                     out = forward()
-                    err = float((out.double() - reference.double()).norm() / reference.double().norm())
+                    err = max(float((o.double() - r.double()).norm() / r.double().norm())
+                              for o, r in zip(out, reference))  # NaN fails the test below
                     if not err <= 1e-2:
                         lines.append(f"{launch_table.config_name(cfg)}: differs ({err:.2e})")
                         continue

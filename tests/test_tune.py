@@ -138,7 +138,8 @@ def test_gdn_candidates_keep_the_tiles_that_compile():
         assert full[0] == (gdn_table._default(pass_name, 128, 128) if pass_name != "intra"
                            else gdn_table.GdnConfig(128, 64, 4, 2))
         assert len(set(full)) == len(full) > gdn_tune.QUICK_CANDIDATES
-        assert all(c.block_k >= 64 for c in full)
+        # pair_grad's whole-chunk tiles are 32 wide by the table (64 spilled); the others stay >= 64
+        assert all(c.block_k >= (32 if pass_name == "pair_grad" else 64) for c in full)
         if pass_name == "intra":
             assert {c.block_v for c in full} == {64} and {c.block_k for c in full} == {128}
 

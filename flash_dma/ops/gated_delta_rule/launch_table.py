@@ -50,8 +50,8 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
-    if kernel == "pair_grad":  # one 16-row block per program: 64 wide, 4 warps, no pipeline
-        return GdnConfig(min(kp, 64), 16, num_warps=4, num_stages=1)
+    if kernel == "pair_grad":  # one chunk's K tile per program: 32 wide (64 spilled), no pipeline
+        return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
     # K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory overrun in the
     # dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide, masked beyond K.
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
@@ -62,8 +62,8 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
     if kernel == "chunk_cumsum":
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
-    if kernel == "gated_pairs":  # one 16x16 block per program
-        return GdnConfig(64, 16, num_warps=2, num_stages=1)
+    if kernel == "gated_pairs":  # one chunk per program, its [64, 64] products over K tiles
+        return GdnConfig(64, 16, num_warps=4, num_stages=1)
     if kernel == "recompute_wu":  # no software pipeline
         return GdnConfig(64, min(vp, 64), num_warps=4, num_stages=1)
     # bwd_wy and bwd_dqkw: a chunk's K-tile programs run side by side (sharing do, v_new, dv2

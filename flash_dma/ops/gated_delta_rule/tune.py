@@ -6,8 +6,8 @@ launch_table.choose looks up (launch_table.cache_key: pass, padded K and V, GPU)
 Not swept: the sequential state passes (fwd_h, fwd_h_from_t, bwd_dhu), whose tile width follows
 the number of sequences x heads by rule (launch_table._sequential) while the cache key has no
 such count, so one stored winner would replace the rule at every batch size; gate_grad, which
-has nothing to tune. Candidates keep K tiles at least 64 wide and intra's V tile at 64: narrower
-tiles miscompiled on Triton 3.6 / Hopper (launch_table.py), and a candidate whose output or
+has nothing to tune. Candidates keep K tiles at least 64 wide (pair_grad's 32, the table's) and
+intra's V tile at 64: narrower tiles miscompiled on Triton 3.6 / Hopper (launch_table.py), and a candidate whose output or
 gradients differ from the table's configuration is skipped, never stored.
 """
 from __future__ import annotations

@@ -72,17 +72,35 @@ def test_strong_scalar_decay_with_a_short_last_chunk(local_dv):
         check_against_reference(inputs, dtype)
 
 
+# per-token log decays on half the key channels: the whole-chunk products near their limit (a
+# chunk's range up to about 115 of 120), the 16-row blocks factorised, the blocks' exact per-row form
+STRONG_DECAYS = {"whole-chunk-near-limit": (1.3, 1.8), "blocks": (2.5, 4.0), "blocks-exact-rows": (12.0, 20.0)}
+
+
+@pytest.mark.parametrize("decays", list(STRONG_DECAYS))
 @pytest.mark.parametrize("gate", ["gk", "g+gk"])
-def test_strong_per_key_decay(gate):
-    """Kimi Delta Attention with a per-key log decay of -12 to -20 per token on half the key
-    channels (the other half ordinary): the factorised gate products of a 16-row block would
-    overflow fp32 there (NaN once), so those K tiles take the exact per-row form. K = 32 makes
-    both kinds meet in one call (16-wide K tiles in the interpreter)."""
+def test_strong_per_key_decay(gate, decays):
+    """Kimi Delta Attention with a strong per-key log decay per token on half the key channels
+    (the other half ordinary). Past a span of 120 over a chunk the whole-chunk gate products
+    would overflow fp32, and past about e^-10 per token so would a 16-row block's: those chunks
+    and K tiles take the blockwise and then the exact per-row forms. K = 32 makes the kinds meet
+    in one call (16-wide K tiles in the interpreter)."""
     dtype = torch.float32
     inputs = make_inputs(1, 70, 1, 1, 32, 16, dtype, gate, True)
     inputs["beta"] = inputs["beta"].float()
     gk = inputs["gk"]
-    gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(12.0, 20.0)
+    low, high = STRONG_DECAYS[decays]
+    gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(low, high)
+    check_against_reference(inputs, dtype)
+
+
+def test_strong_decay_in_one_chunk_only():
+    """A strong per-key decay on every key of the middle chunk alone: that chunk takes the
+    blockwise form, its neighbours the whole-chunk products, in one call (forward and backward)."""
+    dtype = torch.float32
+    inputs = make_inputs(1, 150, 1, 1, 32, 16, dtype, "gk", True)
+    inputs["beta"] = inputs["beta"].float()
+    inputs["gk"][:, 64:128] = -torch.empty_like(inputs["gk"][:, 64:128]).uniform_(2.5, 4.0)
     check_against_reference(inputs, dtype)
 
 

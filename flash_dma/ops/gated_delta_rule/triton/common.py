@@ -235,12 +235,6 @@ def reverse_cumsum(x):
 
 
 @triton.jit
-def outer_and_block(part):
-    """The part of a 16-row block kernel's program, laid out as outer * 4 + (16-row block)."""
-    return part // BLOCKS, part % BLOCKS
-
-
-@triton.jit
 def key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV: tl.constexpr, K: tl.constexpr, cols, n_valid,
                    HAS_G: tl.constexpr):
     """B (total per-key log decay: g_cum + gk_cum) of a [rows, BK] tile."""

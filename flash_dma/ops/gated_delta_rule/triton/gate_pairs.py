@@ -1,6 +1,10 @@
-"""With the per-key gate gk: the gated key-key and query-key products of a chunk, one 16x16 block
-per program (forward), and the gradients through both (backward), with the gate factorisation
-around reference rows described in common.py."""
+"""With the per-key gate gk: the gated key-key and query-key products of a chunk (forward) and the
+gradients through both (backward). Each pass is two kernels: whole [64, 64] products, one
+program per chunk (and K tile in the backward), where the chunk's decays allow (nearly always);
+then 16-row block by block, with the gate factorisation around reference rows described in
+common.py, for the chunks the first left (its programs flag them; the others exit at once).
+Two kernels rather than two branches of one: the blockwise branch's registers slowed the whole-
+chunk form."""
 import torch
 import triton
 import triton.language as tl
@@ -9,30 +13,50 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import BLOCKS_PER_CHUNK, CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
-    BLOCKS, SUB, chunk_args, chunk_part_program, column_of, decay_factor, factors_fit, key_gate_rows,
-    load_tile, load_vec, outer_and_block, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
+    BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
+    key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
 )
 
 
-@triton.jit(do_not_specialize=["T"])
-def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlens, T, scale,
-                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """With the per-key gate: one 16x16 block (I, J) of a chunk's gated pair products per program
-    (part I * 4 + J of the chunk's 16 on grid axis 0), with B the total per-key log decay,
-        A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
-        Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
-    factorised around a reference row r as in the module docstring. Blocks above the diagonal of
-    Aqk are written as zeros. gdn_prepare_kernel takes A_raw on from here (with gk): 16
-    small programs per chunk instead of all products in the prepare program, which spilled."""
-    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, BLOCKS * BLOCKS)
-    bi, bj = outer_and_block(part)
+# The whole-chunk form's largest factor exponent: with the reference at the middle of each key's
+# range, a chunk whose log decays span up to twice this takes [64, 64] products at once. Its
+# factors stay below e^60, which leaves fp32 room for the products' sums (e^88.7 overflows).
+CHUNK_FACTOR_EXPONENT = tl.constexpr(60.0)
+
+
+@triton.jit
+def chunk_reference(gate, valid_rows):
+    """Per key column of a chunk's [64, BK] total log decay B: the reference r = (max + min) / 2
+    over the valid rows and the half range (max - min) / 2, the largest exponent of e^(B - r)
+    and e^(r - B) there (r = 0 and half range 0 where no row is valid)."""
+    some = tl.sum(valid_rows.to(tl.int32), axis=0) > 0
+    high = tl.where(some, tl.max(tl.where(valid_rows[:, None], gate, float("-inf")), axis=0), 0.0)
+    low = tl.where(some, tl.min(tl.where(valid_rows[:, None], gate, float("inf")), axis=0), 0.0)
+    return 0.5 * (high + low), 0.5 * (high - low)
+
+
+@triton.jit
+def blocks_flag(needs_blocks, PARTS: tl.constexpr):
+    """This program's entry of needs_blocks: one int8 per whole-chunk program (chunk slot and K
+    tile on grid axis 0, batch x value head on axis 1); the blockwise kernels run PARTS programs
+    per entry, side by side on axis 0."""
+    per_row = tl.num_programs(0) // PARTS
+    return needs_blocks + tl.program_id(1).to(tl.int64) * per_row + tl.program_id(0) // PARTS
+
+
+@triton.jit
+def store_gated_block(q, k, g_cum, gk_cum, a_raw, aqk, tok0, hv, head, n_valid, bi, bj, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, HAS_G: tl.constexpr):
+    """Block (I, J) of both gated products, factorised around the block pair's reference row
+    (zeros above the diagonal)."""
     sub = tl.arange(0, SUB)
     rows_i = sub + bi * SUB
     rows_j = sub + bj * SUB
     sq_ptrs, sq_mask = square_ptrs(aqk, tok0, rows_i, HV, hv, rows_j, n_valid)
+    a_ptrs, a_mask = square_ptrs(a_raw, tok0, rows_i, HV, hv, rows_j, n_valid)
     if bj > bi:
         tl.store(sq_ptrs, tl.zeros([SUB, SUB], dtype=tl.float32), mask=sq_mask)
+        tl.store(a_ptrs, tl.zeros([SUB, SUB], dtype=tl.float32), mask=a_mask)
     else:
         acc_a = tl.zeros([SUB, SUB], dtype=tl.float32)
         acc_p = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -43,17 +67,15 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
             ref = reference_gate(g_cum, gk_cum, tok0, bi, bj, hv, HV, K, cols, n_valid, HAS_G)
             left_exponent = gate_i - ref[None, :]
             right_exponent = ref[None, :] - gate_j
+            k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
+            q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
             if factors_fit(left_exponent, rows_i < n_valid, right_exponent, rows_j < n_valid):
                 left = decay_factor(left_exponent, rows_i < n_valid)
                 right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
                          * decay_factor(right_exponent, rows_j < n_valid))
-                k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
-                q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
                 acc_a += tl.dot(k_rows * left, tl.trans(right))
                 acc_p += tl.dot(q_rows * left, tl.trans(right))
             else:  # a diagonal block (I = J) with a strong decay: column j at a time, exactly
-                k_rows = load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
-                q_rows = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
                 for j in range(0, SUB):
                     keep = (sub >= j)[:, None] & (rows_i < n_valid)[:, None]
                     decay = tl.exp(tl.where(keep, gate_i - row_of(gate_j, sub, j)[None, :], float("-inf")))
@@ -65,31 +87,98 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu_seqlen
         a_keep = (sub[:, None] > sub[None, :]) | off_diag
         p_keep = (sub[:, None] >= sub[None, :]) | off_diag
         tl.store(sq_ptrs, tl.where(p_keep, acc_p * scale, 0.0), mask=sq_mask)
-        a_ptrs, a_mask = square_ptrs(a_raw, tok0, rows_i, HV, hv, rows_j, n_valid)
         tl.store(a_ptrs, tl.where(a_keep, acc_a, 0.0), mask=a_mask)
 
 
-@triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
-                               chunk_map, cu_seqlens, T, part_stride, scale,
-                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                               HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
-        P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
-    given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk, dbeta and the
-    per-key gate terms db, with the forward's factorisation around reference rows. Both share
-    their decay factors and k's right-hand factor, so one program does both. One program per
-    (chunk, head, K tile, 16-row block b) (part K tile * 4 + b on grid axis 0): row b of dP, dA gives the
-    gradients of row b's q and beta k, column b those of row b's k.
-    dq_out, dk_out (H = HV; or None): the finished dq and dk in their own dtype, written there
-    instead of adding into the fp32 buffers (this program is the last to touch its tile)."""
-    NK: tl.constexpr = (K + BK - 1) // BK
-    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK * BLOCKS)
-    k_tile, blk = outer_and_block(part)
+@triton.jit(do_not_specialize=["T"])
+def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu_seqlens, T, scale,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With the per-key gate: a chunk's gated pair products, one program per (chunk, value head),
+    with B the total per-key log decay,
+        A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
+        Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
+    as [64, 64] products around each key's middle reference r: (a e^(B - r)) (k e^(r - B))^T
+    (the pairs above the diagonal may overflow to inf near the limit; they are dropped).
+    Where some key's decay spans more than 2 CHUNK_FACTOR_EXPONENT over the chunk nothing is
+    stored and needs_blocks[program] is set: gdn_gated_pair_blocks_kernel forms that chunk.
+    gdn_prepare_kernel takes A_raw on from here."""
+    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    rows = tl.arange(0, CHUNK)
+    valid = rows < n_valid
+    acc_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    acc_p = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    worst = tl.zeros([BK], dtype=tl.float32)
+    for k_start in range(0, K, BK):  # optimistic: the products are kept only if every K tile fits
+        cols = k_start + tl.arange(0, BK)
+        gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
+        ref, half_range = chunk_reference(gate, valid)
+        tile_fits = half_range <= CHUNK_FACTOR_EXPONENT  # False on NaN: the blocks then meet it
+        worst = tl.maximum(worst, tl.where(tile_fits, half_range, float("inf")))
+        # a tile that does not fit gets zero factors (its products are not kept): no overflow
+        keep = valid[:, None] & tile_fits[None, :]
+        left = tl.exp(tl.where(keep, gate - ref[None, :], float("-inf")))
+        k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+        q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+        right = k_rows * tl.exp(tl.where(keep, ref[None, :] - gate, float("-inf")))
+        acc_a += tl.dot(k_rows * left, tl.trans(right))
+        acc_p += tl.dot(q_rows * left, tl.trans(right))
+    fits = tl.max(worst, axis=0) <= CHUNK_FACTOR_EXPONENT
+    tl.store(blocks_flag(needs_blocks, 1), (fits == 0).to(tl.int8))
+    if fits:
+        sq_ptrs, sq_mask = square_ptrs(aqk, tok0, rows, HV, hv, rows, n_valid)
+        tl.store(sq_ptrs, tl.where(rows[:, None] >= rows[None, :], acc_p * scale, 0.0), mask=sq_mask)
+        a_ptrs, a_mask = square_ptrs(a_raw, tok0, rows, HV, hv, rows, n_valid)
+        tl.store(a_ptrs, tl.where(rows[:, None] > rows[None, :], acc_a, 0.0), mask=a_mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gdn_gated_pair_blocks_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu_seqlens, T, scale,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                                 HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The same products 16x16 block by block for the chunks gdn_gated_pairs_kernel left
+    (needs_blocks), factorised around reference rows as in common.py: one program per block
+    (part I * 4 + J of the chunk's 16 on grid axis 0); the others exit at once."""
+    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, BLOCKS * BLOCKS)
+    if tl.load(blocks_flag(needs_blocks, BLOCKS * BLOCKS)) != 0:
+        store_gated_block(q, k, g_cum, gk_cum, a_raw, aqk, tok0, hv, head, n_valid, part // BLOCKS, part % BLOCKS,
+                          scale, H, HV, K, BK, HAS_G)
+
+
+@triton.jit
+def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_valid, cols,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """The whole-chunk form of the four gradient tiles ([64, BK]) of gdn_gated_pair_grad_kernel:
+    rows  d(left operand) = (dM (k e^(r - B))) e^(B - r),
+    columns d(right operand) = (dM^T (a e^(B - r))) e^(r - B),  M = P, A; a = q, beta k.
+    dM is masked to its triangle here, so the factors of the pairs it drops never meet a product."""
+    valid = rows < n_valid
+    left = decay_factor(gate - ref, valid)
+    right = decay_factor(ref - gate, valid)
+    k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    m_ptrs, m_mask = square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
+    d_p = tl.where(rows[:, None] >= rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
+    m_ptrs, m_mask = square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
+    d_a = tl.where(rows[:, None] > rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
+    k_right = k_rows * right
+    dq_c = tl.dot(d_p, k_right) * left
+    dka_c = tl.dot(d_a, k_right) * left
+    q_left = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32) * left
+    bk_left = k_rows * left * load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]
+    dkp_c = tl.dot(tl.trans(d_p), q_left) * right
+    dkc_c = tl.dot(tl.trans(d_a), bk_left) * right
+    return dq_c, dka_c, dkp_c, dkc_c
+
+
+@triton.jit
+def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_valid, blk, cols,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_G: tl.constexpr):
+    """The same four tiles for the 16 rows of block b ([16, BK]), block pair by block pair:
+    row b of dP, dA gives the gradients of row b's q and beta k, column b those of row b's k."""
+    BK: tl.constexpr = cols.shape[0]
     sub = tl.arange(0, SUB)
     rows_b = sub + blk * SUB
     valid_b = rows_b < n_valid
-    cols = k_tile * BK + tl.arange(0, BK)
     gate_b = key_gate_rows(g_cum, gk_cum, tok0, rows_b, hv, HV, K, cols, n_valid, HAS_G)
     # row b: d(left operand)_b = sum_{J <= b} (dM_bJ (k_J e^(r - B_J))) e^(B_b - r), M = P, A
     dq_b = tl.zeros([SUB, BK], dtype=tl.float32)
@@ -152,31 +241,92 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
                 decay = tl.exp(tl.where(keep, row_of(gate_i, sub, i)[None, :] - gate_b, float("-inf")))
                 dkp_b += row_of(m_p, sub, i)[:, None] * row_of(q_i, sub, i)[None, :] * decay
                 dkc_b += row_of(m_a, sub, i)[:, None] * row_of(k_i, sub, i)[None, :] * decay
-    q_b = load_tile(q, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
-    k_b = load_tile(k, tok0, rows_b, H, head, K, cols, n_valid).to(tl.float32)
-    beta_b = load_vec(beta, tok0, rows_b, HV, hv, n_valid)[:, None]
-    # gradient buffers are per value head, fp32; this program owns rows b of its K tile
-    ptrs, mask = tile_ptrs(db, tok0, rows_b, HV, hv, K, cols, n_valid)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * (q_b * dq_b - k_b * dkp_b)
-             + (beta_b * k_b * dka_b - k_b * dkc_b), mask=mask)
-    ptrs, mask = tile_ptrs(dq, tok0, rows_b, HV, hv, K, cols, n_valid)
-    dq_b = tl.load(ptrs, mask=mask, other=0.0) + scale * dq_b
+    return dq_b, dka_b, dkp_b, dkc_b
+
+
+@triton.jit
+def finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_part, dq_out, dk_out, tok0, rows, hv, head, n_valid,
+                          cols, scale, dq_r, dka_r, dkp_r, dkc_r,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """Adds rows `rows` of the four gradient tiles to db, dq, dk (or writes the finished dq, dk to
+    dq_out, dk_out) and stores their dbeta share. This program owns these rows of its K tile."""
+    q_r = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    k_r = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    beta_r = load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]
+    # gradient buffers are per value head, fp32
+    ptrs, mask = tile_ptrs(db, tok0, rows, HV, hv, K, cols, n_valid)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * (q_r * dq_r - k_r * dkp_r)
+             + (beta_r * k_r * dka_r - k_r * dkc_r), mask=mask)
+    ptrs, mask = tile_ptrs(dq, tok0, rows, HV, hv, K, cols, n_valid)
+    dq_r = tl.load(ptrs, mask=mask, other=0.0) + scale * dq_r
     if dq_out is not None:
-        out_ptrs, _ = tile_ptrs(dq_out, tok0, rows_b, HV, hv, K, cols, n_valid)
-        tl.store(out_ptrs, dq_b.to(dq_out.dtype.element_ty), mask=mask)
+        out_ptrs, _ = tile_ptrs(dq_out, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.store(out_ptrs, dq_r.to(dq_out.dtype.element_ty), mask=mask)
     else:
-        tl.store(ptrs, dq_b, mask=mask)
-    ptrs, mask = tile_ptrs(dk, tok0, rows_b, HV, hv, K, cols, n_valid)
-    dk_b = tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_b + beta_b * dka_b + dkc_b
+        tl.store(ptrs, dq_r, mask=mask)
+    ptrs, mask = tile_ptrs(dk, tok0, rows, HV, hv, K, cols, n_valid)
+    dk_r = tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_r + beta_r * dka_r + dkc_r
     if dk_out is not None:
-        out_ptrs, _ = tile_ptrs(dk_out, tok0, rows_b, HV, hv, K, cols, n_valid)
-        tl.store(out_ptrs, dk_b.to(dk_out.dtype.element_ty), mask=mask)
+        out_ptrs, _ = tile_ptrs(dk_out, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.store(out_ptrs, dk_r.to(dk_out.dtype.element_ty), mask=mask)
     else:
-        tl.store(ptrs, dk_b, mask=mask)
-    # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a fixed
-    # order: atomics across tiles made dbeta vary in its last bits from run to run)
-    store_vec(dbeta_parts + k_tile.to(tl.int64) * part_stride, tl.sum(k_b * dka_b, axis=1),
-               tok0, rows_b, HV, hv, n_valid)
+        tl.store(ptrs, dk_r, mask=mask)
+    store_vec(dbeta_part, tl.sum(k_r * dka_r, axis=1), tok0, rows, HV, hv, n_valid)
+
+
+@triton.jit(do_not_specialize=["T", "part_stride"])
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
+                               needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
+                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                               HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
+        P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
+    given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk, dbeta and the
+    per-key gate terms db. Both share their decay factors and k's right-hand factor, so one
+    program does both: one per (chunk, value head, K tile) (part K tile on grid axis 0), as
+    [64, 64] products around each key's middle reference. Where the tile's decays span more
+    than 2 CHUNK_FACTOR_EXPONENT over the chunk it sets needs_blocks[program] instead, for
+    gdn_gated_pair_grad_blocks_kernel.
+    dq_out, dk_out (H = HV; or None): the finished dq and dk in their own dtype, written there
+    instead of adding into the fp32 buffers (this program is the last to touch its tile)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    hv, head, tok0, n_valid, _, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
+    rows = tl.arange(0, CHUNK)
+    cols = k_tile * BK + tl.arange(0, BK)
+    gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
+    ref, half_range = chunk_reference(gate, rows < n_valid)
+    fits = tl.max(tl.where(half_range <= CHUNK_FACTOR_EXPONENT, half_range, float("inf")), axis=0) \
+        <= CHUNK_FACTOR_EXPONENT  # False on NaN gates: the blocks then meet them
+    tl.store(blocks_flag(needs_blocks, 1), (fits == 0).to(tl.int8))
+    if fits:
+        dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref[None, :], tok0, rows, hv,
+                                                         head, n_valid, cols, H, HV, K)
+        # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a
+        # fixed order: atomics across tiles made dbeta vary in its last bits from run to run)
+        finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out,
+                              dk_out, tok0, rows, hv, head, n_valid, cols, scale, dq_c, dka_c, dkp_c, dkc_c, H, HV, K)
+
+
+@triton.jit(do_not_specialize=["T", "part_stride"])
+def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
+                                      needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
+                                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                                      HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The same gradients 16-row block by block for the (chunk, K tile)s gdn_gated_pair_grad_kernel
+    left (needs_blocks), with the forward's factorisation around reference rows: one program per
+    (chunk, value head, K tile, 16-row block b) (part K tile * 4 + b on grid axis 0); the others
+    exit at once."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK * BLOCKS)
+    if tl.load(blocks_flag(needs_blocks, BLOCKS)) != 0:
+        k_tile = part // BLOCKS
+        blk = part % BLOCKS
+        cols = k_tile * BK + tl.arange(0, BK)
+        dq_b, dka_b, dkp_b, dkc_b = block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head,
+                                                         n_valid, blk, cols, H, HV, K, HAS_G)
+        finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out,
+                              dk_out, tok0, tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols, scale,
+                              dq_b, dka_b, dkp_b, dkc_b, H, HV, K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,10 +340,13 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: fl
     aqk = torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=torch.float32)
     cfg = plan.launch("gated_pairs")
     chunk_map, cu = chunk_args(layout)
-    launch(gdn_gated_pairs_kernel, (layout.num_slots * BLOCKS_PER_CHUNK * BLOCKS_PER_CHUNK, B * HV),
-           q, k, g_cum, gk_cum, a_raw, aqk, chunk_map, cu, T, scale,
-           H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (layout.num_slots, B * HV)
+    needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
+    for kernel, parts in ((gdn_gated_pairs_kernel, 1), (gdn_gated_pair_blocks_kernel, BLOCKS_PER_CHUNK ** 2)):
+        launch(kernel, (grid[0] * parts, grid[1]),
+               q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
+               H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return aqk
 
 
@@ -211,9 +364,12 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     dq_out = torch.empty_like(q) if final_dtype else None
     dk_out = torch.empty_like(k) if final_dtype else None
     chunk_map, cu = chunk_args(layout)
-    launch(gdn_gated_pair_grad_kernel, (layout.num_slots * k_tiles * BLOCKS_PER_CHUNK, B * HV),
-           q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, chunk_map,
-           cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
-           IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (layout.num_slots * k_tiles, B * HV)
+    needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
+    for kernel, parts in ((gdn_gated_pair_grad_kernel, 1), (gdn_gated_pair_grad_blocks_kernel, BLOCKS_PER_CHUNK)):
+        launch(kernel, (grid[0] * parts, grid[1]),
+               q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, needs_blocks,
+               chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
+               IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     dbeta += dbeta_parts.sum(0)
     return (dq_out, dk_out) if final_dtype else None
