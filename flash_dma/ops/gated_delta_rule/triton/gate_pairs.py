@@ -2,7 +2,8 @@
 gradients through both (backward). Each pass is two kernels: whole [64, 64] products, one
 program per chunk (and K tile in the backward), where the chunk's decays allow (nearly always);
 then 16-row block by block, with the gate factorisation around reference rows described in
-common.py, for the chunks the first left (its programs flag them; the others exit at once).
+common.py, on the same grid, for the chunks the first left (its programs flag them; the others
+exit at once).
 Two kernels rather than two branches of one: the blockwise branch's registers slowed the whole-
 chunk form."""
 import torch
@@ -11,7 +12,7 @@ import triton.language as tl
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
-from ..layout import BLOCKS_PER_CHUNK, CHUNK as CHUNK_ROWS, ChunkLayout
+from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
     key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
@@ -36,12 +37,11 @@ def chunk_reference(gate, valid_rows):
 
 
 @triton.jit
-def blocks_flag(needs_blocks, PARTS: tl.constexpr):
-    """This program's entry of needs_blocks: one int8 per whole-chunk program (chunk slot and K
-    tile on grid axis 0, batch x value head on axis 1); the blockwise kernels run PARTS programs
-    per entry, side by side on axis 0."""
-    per_row = tl.num_programs(0) // PARTS
-    return needs_blocks + tl.program_id(1).to(tl.int64) * per_row + tl.program_id(0) // PARTS
+def blocks_flag(needs_blocks):
+    """This program's entry of needs_blocks, one int8 per program of a whole-chunk kernel (chunk
+    slot and K tile on grid axis 0, batch x value head on axis 1); its blockwise kernel runs on
+    the same grid."""
+    return needs_blocks + tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
         acc_a += tl.dot(k_rows * left, tl.trans(right))
         acc_p += tl.dot(q_rows * left, tl.trans(right))
     fits = tl.max(worst, axis=0) <= CHUNK_FACTOR_EXPONENT
-    tl.store(blocks_flag(needs_blocks, 1), (fits == 0).to(tl.int8))
+    tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
         sq_ptrs, sq_mask = square_ptrs(aqk, tok0, rows, HV, hv, rows, n_valid)
         tl.store(sq_ptrs, tl.where(rows[:, None] >= rows[None, :], acc_p * scale, 0.0), mask=sq_mask)
@@ -136,13 +136,15 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
 def gdn_gated_pair_blocks_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu_seqlens, T, scale,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                  HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The same products 16x16 block by block for the chunks gdn_gated_pairs_kernel left
-    (needs_blocks), factorised around reference rows as in common.py: one program per block
-    (part I * 4 + J of the chunk's 16 on grid axis 0); the others exit at once."""
-    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, BLOCKS * BLOCKS)
-    if tl.load(blocks_flag(needs_blocks, BLOCKS * BLOCKS)) != 0:
-        store_gated_block(q, k, g_cum, gk_cum, a_raw, aqk, tok0, hv, head, n_valid, part // BLOCKS, part % BLOCKS,
-                          scale, H, HV, K, BK, HAS_G)
+    """The same products 16x16 block by block, factorised around reference rows as in common.py,
+    for the chunks gdn_gated_pairs_kernel left (needs_blocks): one program per chunk, as there;
+    the others exit at once."""
+    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
+    if tl.load(blocks_flag(needs_blocks)) != 0:
+        for bi in range(0, BLOCKS):
+            for bj in range(0, BLOCKS):
+                store_gated_block(q, k, g_cum, gk_cum, a_raw, aqk, tok0, hv, head, n_valid, bi, bj, scale,
+                                  H, HV, K, BK, HAS_G)
 
 
 @triton.jit
@@ -297,7 +299,7 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     ref, half_range = chunk_reference(gate, rows < n_valid)
     fits = tl.max(tl.where(half_range <= CHUNK_FACTOR_EXPONENT, half_range, float("inf")), axis=0) \
         <= CHUNK_FACTOR_EXPONENT  # False on NaN gates: the blocks then meet them
-    tl.store(blocks_flag(needs_blocks, 1), (fits == 0).to(tl.int8))
+    tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
         dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref[None, :], tok0, rows, hv,
                                                          head, n_valid, cols, H, HV, K)
@@ -312,21 +314,19 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
                                       needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
                                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                       HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The same gradients 16-row block by block for the (chunk, K tile)s gdn_gated_pair_grad_kernel
-    left (needs_blocks), with the forward's factorisation around reference rows: one program per
-    (chunk, value head, K tile, 16-row block b) (part K tile * 4 + b on grid axis 0); the others
-    exit at once."""
+    """The same gradients 16-row block by block, with the forward's factorisation around
+    reference rows, for the (chunk, K tile)s gdn_gated_pair_grad_kernel left (needs_blocks): one
+    program per (chunk, value head, K tile), as there; the others exit at once."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    hv, head, tok0, n_valid, _, part = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK * BLOCKS)
-    if tl.load(blocks_flag(needs_blocks, BLOCKS)) != 0:
-        k_tile = part // BLOCKS
-        blk = part % BLOCKS
+    hv, head, tok0, n_valid, _, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
+    if tl.load(blocks_flag(needs_blocks)) != 0:
         cols = k_tile * BK + tl.arange(0, BK)
-        dq_b, dka_b, dkp_b, dkc_b = block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head,
-                                                         n_valid, blk, cols, H, HV, K, HAS_G)
-        finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out,
-                              dk_out, tok0, tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols, scale,
-                              dq_b, dka_b, dkp_b, dkc_b, H, HV, K)
+        for blk in range(0, BLOCKS):
+            dq_b, dka_b, dkp_b, dkc_b = block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head,
+                                                             n_valid, blk, cols, H, HV, K, HAS_G)
+            finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride,
+                                  dq_out, dk_out, tok0, tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols,
+                                  scale, dq_b, dka_b, dkp_b, dkc_b, H, HV, K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,8 +342,8 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: fl
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    for kernel, parts in ((gdn_gated_pairs_kernel, 1), (gdn_gated_pair_blocks_kernel, BLOCKS_PER_CHUNK ** 2)):
-        launch(kernel, (grid[0] * parts, grid[1]),
+    for kernel in (gdn_gated_pairs_kernel, gdn_gated_pair_blocks_kernel):
+        launch(kernel, grid,
                q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
                H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -366,8 +366,8 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    for kernel, parts in ((gdn_gated_pair_grad_kernel, 1), (gdn_gated_pair_grad_blocks_kernel, BLOCKS_PER_CHUNK)):
-        launch(kernel, (grid[0] * parts, grid[1]),
+    for kernel in (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel):
+        launch(kernel, grid,
                q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, needs_blocks,
                chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
                IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
