@@ -272,6 +272,22 @@ def test_gpu_real_sizes(shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decays", list(STRONG_DECAYS))
+@pytest.mark.parametrize("K", [64, 128, 256])
+def test_gpu_strong_per_key_decay(K, decays):
+    """The strong per-key decays of test_strong_per_key_decay on the Hopper table's tiles (K a
+    multiple of 64: 32-wide pair-gradient tiles, the whole-chunk and blockwise kernels side by
+    side), on the first quarter of the key channels of every other chunk."""
+    dtype = torch.bfloat16
+    inputs = make_inputs(2, 300, 2, 2, K, 128, dtype, "gk", True)
+    low, high = STRONG_DECAYS[decays]
+    strong = inputs["gk"][:, :, :, : K // 4]
+    for start in range(0, 300, 128):
+        strong[:, start:start + 64] = -torch.empty_like(strong[:, start:start + 64]).uniform_(low, high)
+    check_against_reference(inputs, dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("from_inverse", [True, False], ids=["wu-from-T", "wu-recomputed"])
 @pytest.mark.parametrize("shape", ["h16-128", "K256-V256", "gva-128", "no-gate-gva-K64-V128", "varlen"])
 def test_gpu_both_ways_of_forming_w_and_u(shape, from_inverse):
