@@ -122,6 +122,18 @@ def test_gdn_sweep_stores_under_the_key_choose_reads(fake_gpu):
     assert plan.launches["bwd_wy"].source == "table"
 
 
+def test_gdn_cache_entry_does_not_reach_partly_masked_tiles(fake_gpu):
+    """The cache key pads K (K = 80 reads K = 128's entry): a stored 32-wide pair_grad tile is
+    taken at K = 128 but not at K = 80, whose partly masked tiles keep the rule's 64."""
+    from dataclasses import asdict
+    stored = gdn_table.GdnConfig(32, 16, 8, 1)
+    tuning_cache.store(gdn_table.cache_key("pair_grad", 128, 128, CUDA), asdict(stored))
+    assert gdn_table.cache_key("pair_grad", 80, 128, CUDA) == gdn_table.cache_key("pair_grad", 128, 128, CUDA)
+    assert gdn_table.choose("pair_grad", 128, 128, CUDA) == config.Chosen(stored, "tuning cache")
+    masked = gdn_table.choose("pair_grad", 80, 128, CUDA)
+    assert masked.source == "rule" and masked.value.block_k == 64
+
+
 def test_sweep_with_no_candidate_that_runs_stores_nothing(fake_gpu):
     cfg = C(64, 64, 4, 2)
     time_config, _ = fake_timings({cfg: RuntimeError("out of resources")})

@@ -42,7 +42,7 @@ def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, sca
     ai = ops.wy_prepare.inverse_buffer(k, v.shape[2], gk is not None)
     g_cum = gk_cum = aqk = k_gated = q_gated = None
     if gk is not None:
-        # the gate cumsums and the gated pair products (16 programs per chunk) come first; the
+        # the gate cumsums and the gated pair products (kernels of their own) come first; the
         # prepare program then only inverts and forms w, u (all in one program it spilled)
         g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, store_q_gated)
         aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g_cum, gk_cum, ai, scale)

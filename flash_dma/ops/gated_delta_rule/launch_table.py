@@ -50,10 +50,11 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(kp, 16, num_warps=4, num_stages=3 if kp <= 128 else 2)
     if kernel == "intra":
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
-    if kernel == "pair_grad":  # one chunk's K tile per program: 32 wide (64 spilled), no pipeline
-        return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
     # K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory overrun in the
-    # dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide, masked beyond K.
+    # dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide, masked beyond K,
+    # except pair_grad's whole-chunk tiles at K a multiple of 64 (unmasked; 64 wide spilled)
+    if kernel == "pair_grad":  # one chunk's K tile per program, no pipeline
+        return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
     if kernel == "prepare_t":  # T only, tf32 products: one warp per chunk
@@ -119,11 +120,13 @@ def cache_key(kernel: str, K: int, V: int, device: torch.device) -> str:
 def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads: int) -> Chosen:
     kp, vp = head_dim_block(K), head_dim_block(V)
     info = device_info(device)
-    hit = tuning_cache.lookup(cache_key(kernel, K, V, device))
+    masked = kernel not in _FULL_K and bool(K % 64 or V % 64)
+    # the cache key pads K and V (K = 80 shares K = 128's entry): partly masked tiles keep the rule
+    hit = None if masked else tuning_cache.lookup(cache_key(kernel, K, V, device))
     if hit:
         return Chosen(GdnConfig(**hit), "tuning cache")
     cfg, source = _default(kernel, kp, vp), "table"
-    if kernel not in _FULL_K and (K % 64 or V % 64):
+    if masked:
         # Partly masked 64-wide tiles: the table's configurations crashed on Triton 3.6 / Hopper
         # (an illegal address at K = 48, V = 32); these passed every GPU test.
         cfg, source = GdnConfig(64, min(vp, 64), num_warps=4, num_stages=2), "rule"
@@ -161,8 +164,8 @@ def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
 def keeps_gated_pairs(K: int, V: int, has_gk: bool) -> bool:
     """With gk, whether the forward keeps T and the gated query-key products for the backward
     (FLA's chunk_kda keeps its gate cumsums and both products): the backward then forms only
-    the gate cumsums, the gated q and k, and w, u from T again, not the pair products (16
-    programs a chunk) and the inverse."""
+    the gate cumsums, the gated q and k, and w, u from T again, not the pair products and the
+    inverse."""
     return has_gk and _recompute_tiles_whole(K, V)
 
 

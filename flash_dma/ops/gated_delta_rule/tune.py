@@ -7,8 +7,9 @@ Not swept: the sequential state passes (fwd_h, fwd_h_from_t, bwd_dhu), whose til
 the number of sequences x heads by rule (launch_table._sequential) while the cache key has no
 such count, so one stored winner would replace the rule at every batch size; gate_grad, which
 has nothing to tune. Candidates keep K tiles at least 64 wide (pair_grad's 32, the table's) and
-intra's V tile at 64: narrower tiles miscompiled on Triton 3.6 / Hopper (launch_table.py), and a candidate whose output or
-gradients differ from the table's configuration is skipped, never stored.
+intra's V tile at 64: narrower tiles miscompiled on Triton 3.6 / Hopper (launch_table.py), and a
+candidate whose output or gradients differ from the table's configuration is skipped, never
+stored.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .plan import DeltaRulePlan
 
 SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
 UNTUNED = SEQUENTIAL + ("gate_grad",)
-# Passes whose tiles are fixed by what one program holds (a 16-row block, the gates' chunk):
+# Passes whose tiles are fixed by what one program holds (a chunk's products, the gates' chunk):
 # only warps and stages are swept.
 FIXED_TILES = ("chunk_cumsum", "gated_pairs", "pair_grad", "intra")
 QUICK_CANDIDATES = 4

@@ -77,31 +77,69 @@ def test_strong_scalar_decay_with_a_short_last_chunk(local_dv):
 STRONG_DECAYS = {"whole-chunk-near-limit": (1.3, 1.8), "blocks": (2.5, 4.0), "blocks-exact-rows": (12.0, 20.0)}
 
 
+def blocks_flags(monkeypatch, inputs, **kwargs):
+    """Runs the op against the reference (after a first call: its compile-ahead dry run, where
+    one runs, launches nothing) and returns the needs_blocks flags of the whole-chunk kernels,
+    {"forward": [B * HV, chunk slots], "backward": [B * HV, chunk slots, K tiles]} (bool)."""
+    from flash_dma.ops.gated_delta_rule.triton import gate_pairs
+    run_op(inputs, **kwargs)
+    flags, real = {}, gate_pairs.launch
+    whole_chunk = {gate_pairs.gdn_gated_pairs_kernel: "forward", gate_pairs.gdn_gated_pair_grad_kernel: "backward"}
+
+    def spy(kernel, grid, *args, **launch_kwargs):
+        real(kernel, grid, *args, **launch_kwargs)
+        if kernel in whole_chunk:
+            needs = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int8)
+            flags[whole_chunk[kernel]] = needs.view(grid[1], grid[0]).bool().cpu()
+    monkeypatch.setattr(gate_pairs, "launch", spy)
+    check_against_reference(inputs, inputs["q"].dtype, **kwargs)
+    slots = flags["forward"].shape[1]
+    flags["backward"] = flags["backward"].view(flags["backward"].shape[0], slots, -1)
+    return flags
+
+
 @pytest.mark.parametrize("decays", list(STRONG_DECAYS))
 @pytest.mark.parametrize("gate", ["gk", "g+gk"])
-def test_strong_per_key_decay(gate, decays):
+def test_strong_per_key_decay(gate, decays, monkeypatch):
     """Kimi Delta Attention with a strong per-key log decay per token on half the key channels
     (the other half ordinary). Past a span of 120 over a chunk the whole-chunk gate products
     would overflow fp32, and past about e^-10 per token so would a 16-row block's: those chunks
-    and K tiles take the blockwise and then the exact per-row forms. K = 32 makes the kinds meet
-    in one call (16-wide K tiles in the interpreter)."""
+    and K tiles take the blockwise and then the exact per-row forms (the 6-row last chunk's span
+    stays within the whole-chunk form). K = 32 makes the kinds meet in one call (16-wide K tiles
+    in the interpreter)."""
     dtype = torch.float32
     inputs = make_inputs(1, 70, 1, 1, 32, 16, dtype, gate, True)
     inputs["beta"] = inputs["beta"].float()
     gk = inputs["gk"]
     low, high = STRONG_DECAYS[decays]
     gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(low, high)
-    check_against_reference(inputs, dtype)
+    flags = blocks_flags(monkeypatch, inputs)
+    for direction, flagged in flags.items():
+        if decays == "whole-chunk-near-limit":
+            assert not flagged.any(), direction
+        else:
+            assert flagged[0, 0].any() and not flagged[0, 1].any(), (direction, flagged)
 
 
-def test_strong_decay_in_one_chunk_only():
-    """A strong per-key decay on every key of the middle chunk alone: that chunk takes the
-    blockwise form, its neighbours the whole-chunk products, in one call (forward and backward)."""
+@pytest.mark.parametrize("layout", ["fixed", "varlen"])
+def test_strong_decay_in_one_chunk_only(layout, monkeypatch):
+    """A strong per-key decay on every key of one chunk of one (batch or sequence, value head)
+    alone, grouped value heads: that chunk takes the blockwise form, every other the whole-chunk
+    products, in one call (forward and backward)."""
     dtype = torch.float32
-    inputs = make_inputs(1, 150, 1, 1, 32, 16, dtype, "gk", True)
+    if layout == "fixed":
+        inputs = make_inputs(2, 150, 1, 2, 32, 16, dtype, "gk", True)
+        rows, kwargs = (1, slice(64, 128)), {}
+    else:  # the 130-token sequence's second chunk; an empty and a one-token sequence beside it
+        lengths = [0, 70, 1, 130, 44]
+        inputs = make_inputs(1, sum(lengths), 1, 2, 32, 16, dtype, "gk", True, n_seqs=len(lengths))
+        rows, kwargs = (0, slice(71 + 64, 71 + 128)), {"cu_seqlens": cu_from_lengths(lengths)}
     inputs["beta"] = inputs["beta"].float()
-    inputs["gk"][:, 64:128] = -torch.empty_like(inputs["gk"][:, 64:128]).uniform_(2.5, 4.0)
-    check_against_reference(inputs, dtype)
+    inputs["gk"][rows[0], rows[1], 1] = -torch.empty_like(inputs["gk"][rows[0], rows[1], 1]).uniform_(2.5, 4.0)
+    flags = blocks_flags(monkeypatch, inputs, **kwargs)
+    heads = flags["forward"].any(dim=1)
+    assert heads.tolist() == ([False, False, False, True] if layout == "fixed" else [False, True]), heads
+    assert flags["forward"].sum() == 1 and flags["backward"].any(dim=2).sum() == 1, flags
 
 
 def test_fp32_beta_with_half_inputs():

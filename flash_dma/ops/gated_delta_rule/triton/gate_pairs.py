@@ -21,7 +21,8 @@ from .common import (
 
 # The whole-chunk form's largest factor exponent: with the reference at the middle of each key's
 # range, a chunk whose log decays span up to twice this takes [64, 64] products at once. Its
-# factors stay below e^60, which leaves fp32 room for the products' sums (e^88.7 overflows).
+# factors stay below e^60, which leaves fp32 room for the sums of the kept pairs (e^88.7
+# overflows; the forward's dropped pairs above the diagonal may reach it).
 CHUNK_FACTOR_EXPONENT = tl.constexpr(60.0)
 
 
@@ -113,7 +114,9 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
         cols = k_start + tl.arange(0, BK)
         gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
         ref, half_range = chunk_reference(gate, valid)
-        tile_fits = half_range <= CHUNK_FACTOR_EXPONENT  # False on NaN: the blocks then meet it
+        # (NaN gates: the reductions skip NaN on the GPU, so NaN reaches the products as it would
+        # the blocks')
+        tile_fits = half_range <= CHUNK_FACTOR_EXPONENT
         worst = tl.maximum(worst, tl.where(tile_fits, half_range, float("inf")))
         # a tile that does not fit gets zero factors (its products are not kept): no overflow
         keep = valid[:, None] & tile_fits[None, :]
@@ -298,7 +301,7 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
     ref, half_range = chunk_reference(gate, rows < n_valid)
     fits = tl.max(tl.where(half_range <= CHUNK_FACTOR_EXPONENT, half_range, float("inf")), axis=0) \
-        <= CHUNK_FACTOR_EXPONENT  # False on NaN gates: the blocks then meet them
+        <= CHUNK_FACTOR_EXPONENT
     tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
         dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref[None, :], tok0, rows, hv,
