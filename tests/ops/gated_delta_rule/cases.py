@@ -307,15 +307,27 @@ job = json.loads(sys.argv[2])
 module, name = job["kernel"].rsplit(".", 1)
 kernel = getattr(importlib.import_module(module), name)
 signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]}}
-order = list(signature)
+order = [n for n in getattr(kernel, "arg_names", signature) if n in signature]  # the kernel's order
+signature = {n: signature[n] for n in order}
 aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
 source = GluonASTSource if job["gluon"] else ASTSource
 compiled = triton.compile(source(kernel, signature, job["constants"], aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])
+import os, re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.tools.disasm import get_sass
 sass = get_sass(compiled.asm["cubin"])
+with tempfile.TemporaryDirectory() as tmp:  # ptxas -v for the register and spill counts
+    ptx = os.path.join(tmp, "k.ptx")
+    with open(ptx, "w") as f:
+        f.write(compiled.asm["ptx"])
+    report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                            capture_output=True, text=True)
+report = report.stdout + report.stderr
 print(json.dumps({"cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
-                  "mmas": sass.count("HGMMA."), "mma_waits": sass.count("WARPGROUP.DEPBAR")}))
+                  "mmas": sass.count("HGMMA."), "mma_waits": sass.count("WARPGROUP.DEPBAR"),
+                  "registers": int(re.search(r"Used (\\d+) registers", report).group(1)),
+                  "spill_bytes": sum(int(n) for n in re.findall(r"(\\d+) bytes spill", report))}))
 """
 
 
@@ -323,7 +335,8 @@ def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict
                      gluon: bool = True) -> dict:
     """Compile a Gluon (or with gluon False, Triton) kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
     ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes, "mmas": warpgroup MMA instructions,
-    "mma_waits": waits for them in the SASS}. In a fresh process without
+    "mma_waits": waits for them in the SASS, "registers" and "spill_bytes" (stores and loads) as
+    ptxas -v counts them, without the launch's register cap}. In a fresh process without
     TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
     it runs kernels, which a compile in the same process could meet."""
     import json
