@@ -4,7 +4,9 @@ one's end (span - sum = the GPU idle between kernels, where the host's launches 
 
     python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
 
-A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g).
+A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g), and
+with kda "strong" (a quarter of the keys decaying by e^-2.5 to e^-4 a token: every chunk takes
+the gated pairs' blockwise kernels, their worst case).
 """
 import argparse
 import collections
@@ -18,25 +20,27 @@ import torch  # noqa: E402
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
 
 
-def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16):
+def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False):
     """(q, k, v, g, beta, gk): g = logsigmoid(U(0, 1)) per head (the report's decays), or with
-    per_key the same per key as gk (g None)."""
+    per_key the same per key as gk (g None; strong: the first quarter of the keys -U(2.5, 4))."""
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
     v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
     gate = torch.nn.functional.logsigmoid(torch.rand(B, T, H, *((K,) if per_key else ()), device="cuda"))
+    if strong:
+        gate[..., : K // 4] = -torch.empty_like(gate[..., : K // 4]).uniform_(2.5, 4.0)
     beta = torch.rand(B, T, H, device="cuda", dtype=dtype).sigmoid()
     leaves = [t.requires_grad_() for t in (q, k, v, gate, beta)]
     return leaves, dict(g=None, beta=leaves[4], gk=leaves[3]) if per_key else dict(g=leaves[3], beta=leaves[4])
 
 
 def parse(label):
-    """(B, T, H, K, per_key) of a shape label."""
+    """(B, T, H, K, per_key, strong) of a shape label."""
     parts = label.split()
     B, T, H = (int(part[1:]) for part in parts[:3])
     K = next((int(p[1:]) for p in parts[3:] if p.startswith("K")), 128)
-    return B, T, H, K, "kda" in parts[3:]
+    return B, T, H, K, "kda" in parts[3:], "strong" in parts[3:]
 
 
 def main():
@@ -46,8 +50,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ns = ap.parse_args()
     for label in ns.shapes:
-        B, T, H, K, per_key = parse(label)
-        leaves, gates = make(B, T, H, K, K, per_key)
+        B, T, H, K, per_key, strong = parse(label)
+        leaves, gates = make(B, T, H, K, K, per_key, strong=strong)
         do = torch.randn_like(leaves[2])
 
         def step():
