@@ -1,9 +1,9 @@
 """With the per-key gate gk: the gated key-key and query-key products of a chunk (forward) and the
 gradients through both (backward). Each pass is two kernels: whole [64, 64] products, one
-program per chunk (and K tile in the backward), where the chunk's decays allow (nearly always);
-then 16-row block by block, with the gate factorisation around reference rows described in
-common.py, on the same grid, for the chunks the first left (its programs flag them; the others
-exit at once).
+program per chunk (and K tile in the backward), where every key's log decay spans at most 120
+over the chunk (per-token decays above about e^-1.9 on average); then 16-row block by block,
+with the gate factorisation around reference rows described in common.py, on the same grid,
+for the chunks the first left (its programs flag them; the others exit at once).
 Two kernels rather than two branches of one: the blockwise branch's registers slowed the whole-
 chunk form."""
 import torch
