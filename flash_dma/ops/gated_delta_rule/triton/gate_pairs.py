@@ -29,12 +29,21 @@ CHUNK_FACTOR_EXPONENT = tl.constexpr(60.0)
 @triton.jit
 def chunk_reference(gate, valid_rows):
     """Per key column of a chunk's [64, BK] total log decay B: the reference r = (max + min) / 2
-    over the valid rows and the half range (max - min) / 2, the largest exponent of e^(B - r)
-    and e^(r - B) there (r = 0 and half range 0 where no row is valid)."""
+    over the valid rows, and whether the half range (max - min) / 2, the largest exponent of
+    e^(B - r) and e^(r - B) there, is at most CHUNK_FACTOR_EXPONENT (r = 0 where no row is
+    valid). NaN gates: the GPU's reductions skip NaN, so NaN reaches the products as it would
+    the blockwise form's."""
     some = tl.sum(valid_rows.to(tl.int32), axis=0) > 0
     high = tl.where(some, tl.max(tl.where(valid_rows[:, None], gate, float("-inf")), axis=0), 0.0)
     low = tl.where(some, tl.min(tl.where(valid_rows[:, None], gate, float("inf")), axis=0), 0.0)
-    return 0.5 * (high + low), 0.5 * (high - low)
+    return 0.5 * (high + low), 0.5 * (high - low) <= CHUNK_FACTOR_EXPONENT
+
+
+@triton.jit
+def chunk_factors(gate, ref, keep):
+    """e^(B - r) and e^(r - B) of a [64, BK] tile where keep (broadcast to it), else 0."""
+    return (tl.exp(tl.where(keep, gate - ref[None, :], float("-inf"))),
+            tl.exp(tl.where(keep, ref[None, :] - gate, float("-inf"))))
 
 
 @triton.jit
@@ -109,24 +118,20 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
     valid = rows < n_valid
     acc_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     acc_p = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    worst = tl.zeros([BK], dtype=tl.float32)
-    for k_start in range(0, K, BK):  # optimistic: the products are kept only if every K tile fits
+    misfits = tl.zeros([BK], dtype=tl.int32)
+    for k_start in range(0, K, BK):  # optimistic: the products are kept only if every key fits
         cols = k_start + tl.arange(0, BK)
         gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
-        ref, half_range = chunk_reference(gate, valid)
-        # (NaN gates: the reductions skip NaN on the GPU, so NaN reaches the products as it would
-        # the blocks')
-        tile_fits = half_range <= CHUNK_FACTOR_EXPONENT
-        worst = tl.maximum(worst, tl.where(tile_fits, half_range, float("inf")))
-        # a tile that does not fit gets zero factors (its products are not kept): no overflow
-        keep = valid[:, None] & tile_fits[None, :]
-        left = tl.exp(tl.where(keep, gate - ref[None, :], float("-inf")))
+        ref, key_fits = chunk_reference(gate, valid)
+        misfits += (key_fits == 0).to(tl.int32)
+        # a key that does not fit gets zero factors (the products are not kept): no overflow
+        left, right = chunk_factors(gate, ref, valid[:, None] & key_fits[None, :])
         k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
         q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-        right = k_rows * tl.exp(tl.where(keep, ref[None, :] - gate, float("-inf")))
+        right = k_rows * right
         acc_a += tl.dot(k_rows * left, tl.trans(right))
         acc_p += tl.dot(q_rows * left, tl.trans(right))
-    fits = tl.max(worst, axis=0) <= CHUNK_FACTOR_EXPONENT
+    fits = tl.sum(misfits, axis=0) == 0
     tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
         sq_ptrs, sq_mask = square_ptrs(aqk, tok0, rows, HV, hv, rows, n_valid)
@@ -157,9 +162,7 @@ def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_
     rows  d(left operand) = (dM (k e^(r - B))) e^(B - r),
     columns d(right operand) = (dM^T (a e^(B - r))) e^(r - B),  M = P, A; a = q, beta k.
     dM is masked to its triangle here, so the factors of the pairs it drops never meet a product."""
-    valid = rows < n_valid
-    left = decay_factor(gate - ref, valid)
-    right = decay_factor(ref - gate, valid)
+    left, right = chunk_factors(gate, ref, (rows < n_valid)[:, None])
     k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
     m_ptrs, m_mask = square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
     d_p = tl.where(rows[:, None] >= rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
@@ -299,12 +302,11 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     rows = tl.arange(0, CHUNK)
     cols = k_tile * BK + tl.arange(0, BK)
     gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
-    ref, half_range = chunk_reference(gate, rows < n_valid)
-    fits = tl.max(tl.where(half_range <= CHUNK_FACTOR_EXPONENT, half_range, float("inf")), axis=0) \
-        <= CHUNK_FACTOR_EXPONENT
+    ref, key_fits = chunk_reference(gate, rows < n_valid)
+    fits = tl.sum((key_fits == 0).to(tl.int32), axis=0) == 0
     tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
-        dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref[None, :], tok0, rows, hv,
+        dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv,
                                                          head, n_valid, cols, H, HV, K)
         # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a
         # fixed order: atomics across tiles made dbeta vary in its last bits from run to run)

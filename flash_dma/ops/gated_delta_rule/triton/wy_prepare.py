@@ -273,16 +273,13 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu_s
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
+    b = tl.zeros([CHUNK], dtype=tl.float32)  # the scalar gate's cumsum: in the key gate with gk
+    row_scale = beta_t
     if HAS_G:
         b = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
-    else:
-        b = tl.zeros([CHUNK], dtype=tl.float32)
-    if gk_cum is not None:
-        _t_times_scaled_rows(tmat, beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV, gk_cum, b)
-    elif HAS_G:
-        _t_times_scaled_rows(tmat, tl.exp(b) * beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV)
-    else:
-        _t_times_scaled_rows(tmat, beta_t, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV)
+        if gk_cum is None:
+            row_scale = tl.exp(b) * beta_t
+    _t_times_scaled_rows(tmat, row_scale, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV, gk_cum, b)
     if STORE_U:
         _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid, hv, HV)
 
