@@ -57,4 +57,5 @@ def fresh_seed():
     """Fresh random inputs per test run, but printed, so a failure can be replayed."""
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
+    print(f"torch.manual_seed({seed})")  # a failure's report shows its captured output
     yield seed

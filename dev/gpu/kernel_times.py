@@ -6,10 +6,14 @@ one's end (span - sum = the GPU idle between kernels, where the host's launches 
 
 A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g), and
 with kda "strong" (a quarter of the keys decaying by e^-2.5 to e^-4 a token: every chunk takes
-the gated pairs' blockwise kernels, their worst case).
+the gated pairs' blockwise kernels for them) or "kimi<s>" (Kimi Linear's gate as initialised,
+-e^A_log softplus(x + dt_bias) with A_log = log U(1, 16) per head, dt_bias from dt log-uniform in
+[1e-3, 0.1] per key, and x of standard deviation s: s = 1 leaves about one chunk in ten with a
+key past the whole-chunk form, s = 2 most chunks).
 """
 import argparse
 import collections
+import math
 import os
 import sys
 
@@ -20,9 +24,9 @@ import torch  # noqa: E402
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
 
 
-def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False):
+def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False, kimi=None):
     """(q, k, v, g, beta, gk): g = logsigmoid(U(0, 1)) per head (the report's decays), or with
-    per_key the same per key as gk (g None; strong: the first quarter of the keys -U(2.5, 4))."""
+    per_key the same per key as gk (g None; strong and kimi: as the module docstring says)."""
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
@@ -30,17 +34,24 @@ def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=Fals
     gate = torch.nn.functional.logsigmoid(torch.rand(B, T, H, *((K,) if per_key else ()), device="cuda"))
     if strong:
         gate[..., : K // 4] = -torch.empty_like(gate[..., : K // 4]).uniform_(2.5, 4.0)
+    if kimi is not None:
+        a_log = torch.empty(H, device="cuda").uniform_(1, 16).log()
+        dt = torch.exp(torch.empty(H, K, device="cuda").uniform_(math.log(1e-3), math.log(0.1)))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+        x = kimi * torch.randn(B, T, H, K, device="cuda")
+        gate = -a_log.exp()[:, None] * torch.nn.functional.softplus(x + dt_bias)
     beta = torch.rand(B, T, H, device="cuda", dtype=dtype).sigmoid()
     leaves = [t.requires_grad_() for t in (q, k, v, gate, beta)]
     return leaves, dict(g=None, beta=leaves[4], gk=leaves[3]) if per_key else dict(g=leaves[3], beta=leaves[4])
 
 
 def parse(label):
-    """(B, T, H, K, per_key, strong) of a shape label."""
+    """(B, T, H, K, per_key, strong, kimi) of a shape label."""
     parts = label.split()
     B, T, H = (int(part[1:]) for part in parts[:3])
     K = next((int(p[1:]) for p in parts[3:] if p.startswith("K")), 128)
-    return B, T, H, K, "kda" in parts[3:], "strong" in parts[3:]
+    kimi = next((float(p[4:]) for p in parts[3:] if p.startswith("kimi")), None)
+    return B, T, H, K, "kda" in parts[3:], "strong" in parts[3:], kimi
 
 
 def main():
@@ -50,8 +61,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ns = ap.parse_args()
     for label in ns.shapes:
-        B, T, H, K, per_key, strong = parse(label)
-        leaves, gates = make(B, T, H, K, K, per_key, strong=strong)
+        B, T, H, K, per_key, strong, kimi = parse(label)
+        leaves, gates = make(B, T, H, K, K, per_key, strong=strong, kimi=kimi)
         do = torch.randn_like(leaves[2])
 
         def step():

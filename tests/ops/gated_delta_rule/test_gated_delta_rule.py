@@ -9,7 +9,7 @@ from flash_dma import chunk_gated_delta_rule
 from flash_dma.ops.gated_delta_rule.reference import gated_delta_rule_reference
 from flash_dma.runtime.config import overrides
 
-from .cases import (GPU_SHAPES, SHAPES, check_against_reference, check_errors, cu_from_lengths, make_inputs,
+from .cases import (GPU_SHAPES, SHAPES, bound, check_against_reference, check_errors, cu_from_lengths, make_inputs,
                     run_op)
 
 
@@ -98,21 +98,27 @@ def blocks_flags(monkeypatch, inputs, **kwargs):
     return flags
 
 
+# the strong keys: the first K tile's (16-wide in the interpreter), or every third key (a few in
+# every K tile)
+STRONG_KEYS = {"first-half": slice(0, 16), "every-third": slice(1, None, 3)}
+
+
+@pytest.mark.parametrize("keys", list(STRONG_KEYS))
 @pytest.mark.parametrize("decays", list(STRONG_DECAYS))
 @pytest.mark.parametrize("gate", ["gk", "g+gk"])
-def test_strong_per_key_decay(gate, decays, monkeypatch):
-    """Kimi Delta Attention with a strong per-key log decay per token on half the key channels
-    (the other half ordinary). Past a span of 120 over a chunk the whole-chunk gate products
-    would overflow fp32, and past about e^-10 per token so would a 16-row block's: those chunks
-    and K tiles take the blockwise and then the exact per-row forms (the 6-row last chunk's span
-    stays within the whole-chunk form). K = 32 makes the kinds meet in one call (16-wide K tiles
-    in the interpreter)."""
+def test_strong_per_key_decay(gate, decays, keys, monkeypatch):
+    """Kimi Delta Attention with a strong per-key log decay per token on some key channels (the
+    others ordinary). Past a span of 120 over a chunk the whole-chunk gate products would
+    overflow fp32, and past about e^-10 per token so would a 16-row block's: those chunks and K
+    tiles take the blockwise and then the exact per-row forms (the 6-row last chunk's span stays
+    within the whole-chunk form). K = 32 makes the kinds meet in one call."""
     dtype = torch.float32
     inputs = make_inputs(1, 70, 1, 1, 32, 16, dtype, gate, True)
     inputs["beta"] = inputs["beta"].float()
     gk = inputs["gk"]
     low, high = STRONG_DECAYS[decays]
-    gk[..., :16] = -torch.empty_like(gk[..., :16]).uniform_(low, high)
+    strong = STRONG_KEYS[keys]
+    gk[..., strong] = -torch.empty_like(gk[..., strong]).uniform_(low, high)
     flags = blocks_flags(monkeypatch, inputs)
     for direction, flagged in flags.items():
         if decays == "whole-chunk-near-limit":
@@ -150,10 +156,15 @@ def test_fp32_beta_with_half_inputs():
 
 
 def test_qk_l2norm_in_kernel():
+    """The kernels round the normalised q and k to the input dtype, which the fp64 reference
+    does not: the gate gradient, a sum whose terms cancel, feels that rounding most (bf16 on an
+    H200 over 150 seeds, dev/gpu/gdn_error_spread.py --l2norm: dg median 4.6e-3, 99th percentile
+    1.6e-2, largest 2.6e-2; without the normalisation largest 1.2e-2), so dg gets 2.5 times its
+    usual bound here."""
     dtype = DTYPES[-1]
     inputs = make_inputs(1, 67, 1, 1, 32, 32, dtype, "g", False, normalize_k=False)
     inputs["q"] = inputs["q"] * 3  # far from unit norm, so the normalisation matters
-    check_against_reference(inputs, dtype, use_qk_l2norm_in_kernel=True)
+    check_against_reference(inputs, dtype, bounds={"dg": 2.5 * bound("dg", dtype)}, use_qk_l2norm_in_kernel=True)
 
 
 @pytest.mark.parametrize("initial,final", [(True, False), (False, True)])
