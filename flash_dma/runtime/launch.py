@@ -144,7 +144,11 @@ def compile_ahead(workers: int | None = None):
                 yield
             finally:
                 _AHEAD.pending = None
-        for compiled, device in pending:
+        # once per compiled kernel: a kernel launched twice in the dry run is listed twice, and
+        # two threads initialising one kernel's handles at once race in Triton 3.6 (one may see
+        # the launcher before the binary is loaded; triton-lang/triton PR 11518)
+        unique = {id(compiled): (compiled, device) for compiled, device in pending}
+        for compiled, device in unique.values():
             pool.submit(_load_ahead, compiled, device)
 
 
