@@ -24,7 +24,9 @@ from .launch_table import GdnConfig
 from .plan import DeltaRulePlan
 
 SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
-UNTUNED = SEQUENTIAL + ("gate_grad",)
+# (the blockwise gated-pair kernels run only where strong decays flag chunks: not at the
+# representative shape's gates)
+UNTUNED = SEQUENTIAL + ("gate_grad", "gated_pair_blocks", "pair_grad_blocks")
 # Passes whose tiles are fixed by what one program holds (a chunk's products, the gates' chunk):
 # only warps and stages are swept.
 FIXED_TILES = ("chunk_cumsum", "gated_pairs", "pair_grad", "intra")

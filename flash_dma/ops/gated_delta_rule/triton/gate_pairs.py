@@ -347,11 +347,13 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: fl
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    for kernel in (gdn_gated_pairs_kernel, gdn_gated_pair_blocks_kernel):
+    # the blockwise kernel: the same grid and K tiles, its own warps and stages
+    for kernel, own in ((gdn_gated_pairs_kernel, cfg),
+                        (gdn_gated_pair_blocks_kernel, plan.launch("gated_pair_blocks"))):
         launch(kernel, grid,
                q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
                H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               num_warps=own.num_warps, num_stages=own.num_stages)
     return aqk
 
 
@@ -371,10 +373,11 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    for kernel in (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel):
+    for kernel, own in ((gdn_gated_pair_grad_kernel, cfg),
+                        (gdn_gated_pair_grad_blocks_kernel, plan.launch("pair_grad_blocks"))):
         launch(kernel, grid,
                q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, needs_blocks,
                chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
-               IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               IS_VARLEN=layout.is_varlen, num_warps=own.num_warps, num_stages=own.num_stages)
     dbeta += dbeta_parts.sum(0)
     return (dq_out, dk_out) if final_dtype else None
