@@ -150,6 +150,10 @@ class OpCase:
     # across thousands of tokens, so no method may drop what a partition inherits (FlashQLA's
     # split of one sequence truncates below e^-10 and costs little with strong decays)
     slow_decay: bool = False
+    # With per_key_gate: Kimi Linear's unbounded gate as initialised, -e^A_log softplus(x + dt_bias)
+    # with x of spread 2 (most chunks have a key decaying faster than e^-1.9 a token: our gated
+    # pairs take 16-row blocks there; FLA's chunk_kda does whatever the gate)
+    strong_decay: bool = False
     seqlens: tuple[int, ...] | None = None  # packed sequences (B == 1, sum == T), given as cu_seqlens
 
     def __post_init__(self):
@@ -162,7 +166,8 @@ class OpCase:
         dims = "" if (self.K, self.V) == (128, 128) else f" K{self.K} V{self.V}"
         packed = f"varlen N{len(self.seqlens)} " if self.seqlens is not None else ""
         return (f"{packed}B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
-                f"{' h0+ht' if self.states else ''}{' slow-decay' if self.slow_decay else ''}")
+                f"{' h0+ht' if self.states else ''}{' slow-decay' if self.slow_decay else ''}"
+                f"{' strong-decay' if self.strong_decay else ''}")
 
     @property
     def family(self) -> tuple:
@@ -175,7 +180,8 @@ def op_plan(quick: bool, cases: Sequence[str] | None = None) -> list[OpCase]:
     FLA's first-call autotuning takes longer than some machines lend in one go)."""
     full = [OpCase(4, 4096, 16), OpCase(1, 8192, 16), OpCase(1, 32768, 16), OpCase(8, 4096, 32),
             OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True),
-            OpCase(2, 4096, 16, per_key_gate=True), OpCase(1, 32768, 16, slow_decay=True),
+            OpCase(2, 4096, 16, per_key_gate=True), OpCase(2, 4096, 16, per_key_gate=True, strong_decay=True),
+            OpCase(1, 32768, 16, slow_decay=True),
             # the issue's packed batch: 20-25 sequences (seeded lengths) filling T = 32768
             OpCase(1, 32768, 16, seqlens=varlen_lengths(32768, VARLEN_SEED))]
     if cases:
@@ -344,6 +350,13 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
                                              + (7 if case.slow_decay else 2)),
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
+    if case.strong_decay:
+        if not case.per_key_gate:
+            raise ValueError("OpCase: strong_decay is a per-key (KDA) gate; set per_key_gate")
+        a_log = torch.rand(H, generator=gen, device=device).mul(15).add(1).log()
+        dt = torch.rand(H, K, generator=gen, device=device).mul(math.log(100)).add(math.log(1e-3)).exp()
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+        x["g"] = -a_log.exp()[:, None] * torch.nn.functional.softplus(2 * randn(B, T, H, K) + dt_bias)
     N = B if case.seqlens is None else len(case.seqlens)
     x["h0"] = randn(N, H, K, V) * 0.1 if case.states else None
     x["dht"] = randn(N, H, K, V) * 0.1 if case.states else None
