@@ -124,13 +124,13 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
         gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
         ref, key_fits = chunk_reference(gate, valid)
         misfits += (key_fits == 0).to(tl.int32)
-        # a key that does not fit gets zero factors (the products are not kept): no overflow
-        left, right = chunk_factors(gate, ref, valid[:, None] & key_fits[None, :])
-        k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-        q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-        right = k_rows * right
-        acc_a += tl.dot(k_rows * left, tl.trans(right))
-        acc_p += tl.dot(q_rows * left, tl.trans(right))
+        if tl.sum(misfits, axis=0) == 0:  # once a key does not fit, the products are not kept
+            left, right = chunk_factors(gate, ref, valid[:, None])
+            k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+            q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+            right = k_rows * right
+            acc_a += tl.dot(k_rows * left, tl.trans(right))
+            acc_p += tl.dot(q_rows * left, tl.trans(right))
     fits = tl.sum(misfits, axis=0) == 0
     tl.store(blocks_flag(needs_blocks), (fits == 0).to(tl.int8))
     if fits:
