@@ -177,6 +177,21 @@ def test_op_plan_covers_the_issue():
         gdn.OpCase(2, 20, 2, seqlens=(10, 10))
     with pytest.raises(ValueError, match="summing to T"):
         gdn.OpCase(1, 20, 2, seqlens=(10, 9))
+    with pytest.raises(ValueError, match="strong_decay"):
+        gdn.OpCase(2, 64, 2, strong_decay=True)
+    with pytest.raises(ValueError, match="strong_decay"):
+        gdn.OpCase(2, 64, 2, per_key_gate=True, strong_decay=True, slow_decay=True)
+
+
+def test_strong_decay_case_takes_the_blockwise_gated_pairs():
+    """The KDA strong-decay case's gate leaves most chunks with a key whose log decay spans more
+    than the whole-chunk form's 120; the plain KDA case none."""
+    def flagged(case):
+        g = gdn.make_op_inputs(case, device="cpu")["g"]
+        cum = g.view(case.B, case.T // 64, 64, case.H, case.K).cumsum(2)
+        return ((cum.amax(2) - cum.amin(2)) > 120).any(-1).float().mean().item()
+    assert flagged(gdn.OpCase(1, 1024, 4, per_key_gate=True, strong_decay=True)) > 0.5
+    assert flagged(gdn.OpCase(1, 1024, 4, per_key_gate=True)) == 0.0
 
 
 def test_op_plan_cases_by_label():

@@ -157,6 +157,8 @@ class OpCase:
     seqlens: tuple[int, ...] | None = None  # packed sequences (B == 1, sum == T), given as cu_seqlens
 
     def __post_init__(self):
+        if self.strong_decay and (not self.per_key_gate or self.slow_decay):
+            raise ValueError("OpCase: strong_decay is a per-key (KDA) gate: it needs per_key_gate and not slow_decay")
         if self.seqlens is not None and (self.B != 1 or sum(self.seqlens) != self.T):
             raise ValueError(f"OpCase: packed sequences need B == 1 and lengths summing to T; got B={self.B}, "
                              f"T={self.T}, sum={sum(self.seqlens)}")
@@ -335,7 +337,8 @@ def dhu_reference(q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=Non
 
 def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> dict:
     """Inputs of the whole op: unit-norm q and k (as the l2norm of a GDN layer leaves them),
-    natural-log decays g, beta in (0.5, 0.73), the output gradients."""
+    natural-log decays g (with strong_decay Kimi Linear's initial gate), beta in (0.5, 0.73), the
+    output gradients."""
     gen = torch.Generator(device=device).manual_seed(seed)
     B, T, H, K, V = case.B, case.T, case.H, case.K, case.V
 
@@ -350,9 +353,7 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
                                              + (7 if case.slow_decay else 2)),
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
-    if case.strong_decay:
-        if not case.per_key_gate:
-            raise ValueError("OpCase: strong_decay is a per-key (KDA) gate; set per_key_gate")
+    if case.strong_decay:  # replaces g: see OpCase.strong_decay
         a_log = torch.rand(H, generator=gen, device=device).mul(15).add(1).log()
         dt = torch.rand(H, K, generator=gen, device=device).mul(math.log(100)).add(math.log(1e-3)).exp()
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt

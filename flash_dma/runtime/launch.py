@@ -147,7 +147,9 @@ def compile_ahead(workers: int | None = None):
         # once per compiled kernel: a kernel launched twice in the dry run is listed twice, and
         # two threads initialising one kernel's handles at once race in Triton 3.6 (one may see
         # the launcher before the binary is loaded; triton-lang/triton PR 11518)
-        unique = {id(compiled): (compiled, device) for compiled, device in pending}
+        unique = {}
+        for compiled, device in pending:
+            unique.setdefault(id(compiled), (compiled, device))  # the first device: where Triton caches it
         for compiled, device in unique.values():
             pool.submit(_load_ahead, compiled, device)
 

@@ -35,6 +35,9 @@ class GdnConfig:
 PASSES = ("chunk_cumsum", "gated_pairs", "gated_pair_blocks", "prepare", "prepare_t", "prepare_gk", "recompute_wu",
           "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy", "pair_grad", "pair_grad_blocks",
           "gate_grad")
+# The gated pairs' blockwise kernels run on their whole-chunk kernel's grid and K tiles: only
+# their warps and stages are their own.
+BLOCKWISE_PARENT = {"gated_pair_blocks": "gated_pairs", "pair_grad_blocks": "pair_grad"}
 for _name in PASSES:
     declare_choice(f"gdn_{_name}", None, (),
                    f"launch configuration (GdnConfig) of the gated delta rule's {_name} pass")
@@ -66,9 +69,8 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
     if kernel == "gated_pairs":  # one chunk per program, its [64, 64] products over K tiles
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
-    # The blockwise kernels (on their whole-chunk kernel's grid and K tiles: only warps and stages
-    # are theirs) are chains of small dependent steps per program: fewer warps fit more programs
-    # an SM (four warps ran 1.3x slower where every chunk had a strong decay; one warp
+    # The blockwise kernels (BLOCKWISE_PARENT) are chains of small dependent steps per program:
+    # fewer warps fit more programs an SM (four warps ran 1.3x slower where every chunk had a strong decay; one warp
     # forward, or two backward, slower in other mixes)
     if kernel == "gated_pair_blocks":
         return GdnConfig(64, 16, num_warps=2, num_stages=1)

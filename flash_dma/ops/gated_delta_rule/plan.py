@@ -366,6 +366,11 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                                           (dhu_chains if name == "bwd_dhu" else chains)
                                           if name in launch_table.SEQUENTIAL else pairs)
                 for name in passes}
+    for blockwise, parent in launch_table.BLOCKWISE_PARENT.items():
+        if blockwise in launches:  # its tiles are its parent's (the same grid): the log shows those
+            own = launches[blockwise]
+            launches[blockwise] = Chosen(replace(own.value, block_k=launches[parent].value.block_k,
+                                                 block_v=launches[parent].value.block_v), own.source)
     shape = (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V), ("varlen", varlen),
              ("gates", _gates(has_g, has_gk)))
     return DeltaRulePlan("triton", device_info(device), shape, has_gk, inverse_precision(dtype), keep,

@@ -26,7 +26,7 @@ from .plan import DeltaRulePlan
 SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
 # (the blockwise gated-pair kernels run only where strong decays flag chunks: not at the
 # representative shape's gates)
-UNTUNED = SEQUENTIAL + ("gate_grad", "gated_pair_blocks", "pair_grad_blocks")
+UNTUNED = SEQUENTIAL + ("gate_grad",) + tuple(launch_table.BLOCKWISE_PARENT)
 # Passes whose tiles are fixed by what one program holds (a chunk's products, the gates' chunk):
 # only warps and stages are swept.
 FIXED_TILES = ("chunk_cumsum", "gated_pairs", "pair_grad", "intra")

@@ -34,6 +34,7 @@ def bound(name: str, dtype: torch.dtype) -> float:
 def check_errors(pairs, dtype, bounds=None):
     """pairs: {name: (got, want)}. Every error is measured before any is judged, so a failure
     message lists them all. bounds: {name: bound} in place of bound(name, dtype)."""
+    assert set(bounds or {}) <= set(pairs), f"bounds for {set(bounds) - set(pairs)}: no such result"
     errors, failures = {}, []
     for name, (got, want) in pairs.items():
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"

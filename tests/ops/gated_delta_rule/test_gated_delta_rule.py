@@ -98,9 +98,10 @@ def blocks_flags(monkeypatch, inputs, **kwargs):
     return flags
 
 
-# the strong keys: the first K tile's (16-wide in the interpreter), or every third key (a few in
+# the strong keys: the first K tile's (16-wide in the interpreter), the second's (the forward's
+# whole-chunk kernel accumulates the first tile, then drops it), or every third key (a few in
 # every K tile)
-STRONG_KEYS = {"first-half": slice(0, 16), "every-third": slice(1, None, 3)}
+STRONG_KEYS = {"first-half": slice(0, 16), "second-half": slice(16, 32), "every-third": slice(1, None, 3)}
 
 
 @pytest.mark.parametrize("keys", list(STRONG_KEYS))
@@ -164,7 +165,8 @@ def test_qk_l2norm_in_kernel():
     dtype = DTYPES[-1]
     inputs = make_inputs(1, 67, 1, 1, 32, 32, dtype, "g", False, normalize_k=False)
     inputs["q"] = inputs["q"] * 3  # far from unit norm, so the normalisation matters
-    check_against_reference(inputs, dtype, bounds={"dg": 2.5 * bound("dg", dtype)}, use_qk_l2norm_in_kernel=True)
+    bounds = {"dg": 2.5 * bound("dg", dtype)} if dtype == torch.bfloat16 else None
+    check_against_reference(inputs, dtype, bounds=bounds, use_qk_l2norm_in_kernel=True)
 
 
 @pytest.mark.parametrize("initial,final", [(True, False), (False, True)])
