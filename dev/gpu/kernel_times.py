@@ -13,7 +13,6 @@ key past the whole-chunk form, s = 2 most chunks).
 """
 import argparse
 import collections
-import math
 import os
 import sys
 
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 from flash_dma import chunk_gated_delta_rule  # noqa: E402
+from flash_dma.benchmarks.gdn import kimi_linear_gate  # noqa: E402
 
 
 def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False, kimi=None):
@@ -35,11 +35,7 @@ def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=Fals
     if strong:
         gate[..., : K // 4] = -torch.empty_like(gate[..., : K // 4]).uniform_(2.5, 4.0)
     if kimi is not None:
-        a_log = torch.empty(H, device="cuda").uniform_(1, 16).log()
-        dt = torch.exp(torch.empty(H, K, device="cuda").uniform_(math.log(1e-3), math.log(0.1)))
-        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
-        x = kimi * torch.randn(B, T, H, K, device="cuda")
-        gate = -a_log.exp()[:, None] * torch.nn.functional.softplus(x + dt_bias)
+        gate = kimi_linear_gate(B, T, H, K, kimi, torch.Generator(device="cuda").manual_seed(0), "cuda")
     beta = torch.rand(B, T, H, device="cuda", dtype=dtype).sigmoid()
     leaves = [t.requires_grad_() for t in (q, k, v, gate, beta)]
     return leaves, dict(g=None, beta=leaves[4], gk=leaves[3]) if per_key else dict(g=leaves[3], beta=leaves[4])

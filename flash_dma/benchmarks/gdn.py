@@ -335,6 +335,18 @@ def dhu_reference(q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=Non
     return dh.to(q.dtype), (dh0.float() if dh0 is not None else None), dv2.to(dv.dtype)
 
 
+def kimi_linear_gate(B: int, T: int, H: int, K: int, spread: float, gen: torch.Generator, device) -> torch.Tensor:
+    """Kimi Linear's unbounded per-key log decay as initialised: -e^A_log softplus(x + dt_bias),
+    A_log = log U(1, 16) per head, dt_bias with softplus(dt_bias) = dt log-uniform in [1e-3, 0.1]
+    per (head, key), and x (the projection's output) normal of standard deviation `spread`.
+    -> [B, T, H, K] fp32."""
+    a_log = torch.rand(H, generator=gen, device=device).mul(15).add(1).log()
+    dt = torch.rand(H, K, generator=gen, device=device).mul(math.log(100)).add(math.log(1e-3)).exp()
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    x = spread * torch.randn(B, T, H, K, generator=gen, device=device)
+    return -a_log.exp()[:, None] * torch.nn.functional.softplus(x + dt_bias)
+
+
 def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> dict:
     """Inputs of the whole op: unit-norm q and k (as the l2norm of a GDN layer leaves them),
     natural-log decays g (with strong_decay Kimi Linear's initial gate), beta in (0.5, 0.73), the
@@ -354,10 +366,7 @@ def make_op_inputs(case: OpCase, device="cuda", seed: int = 0, dtype=DTYPE) -> d
          "beta": torch.rand(B, T, H, generator=gen, device=device).sigmoid().to(dtype),
          "do": randn(B, T, H, V).to(dtype)}
     if case.strong_decay:  # replaces g: see OpCase.strong_decay
-        a_log = torch.rand(H, generator=gen, device=device).mul(15).add(1).log()
-        dt = torch.rand(H, K, generator=gen, device=device).mul(math.log(100)).add(math.log(1e-3)).exp()
-        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
-        x["g"] = -a_log.exp()[:, None] * torch.nn.functional.softplus(2 * randn(B, T, H, K) + dt_bias)
+        x["g"] = kimi_linear_gate(B, T, H, K, 2.0, gen, device)
     N = B if case.seqlens is None else len(case.seqlens)
     x["h0"] = randn(N, H, K, V) * 0.1 if case.states else None
     x["dht"] = randn(N, H, K, V) * 0.1 if case.states else None

@@ -70,8 +70,8 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     if kernel == "gated_pairs":  # one chunk per program, its [64, 64] products over K tiles
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
     # The blockwise kernels (BLOCKWISE_PARENT) are chains of small dependent steps per program:
-    # fewer warps fit more programs an SM (four warps ran 1.3x slower where every chunk had a strong decay; one warp
-    # forward, or two backward, slower in other mixes)
+    # fewer warps fit more programs an SM (four warps ran 1.3x slower where every chunk had a
+    # strong decay; one warp forward, or two backward, slower in other mixes)
     if kernel == "gated_pair_blocks":
         return GdnConfig(64, 16, num_warps=2, num_stages=1)
     if kernel == "pair_grad_blocks":
