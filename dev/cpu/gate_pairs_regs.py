@@ -32,14 +32,15 @@ def main():
     for pass_name, (whole, pointers, scalars) in KERNELS.items():
         pointers = dict(pointers)
         if ns.g:
-            pointers["g_cum"] = FP32
+            pointers.update(g=FP32, g_cum=FP32)
         if ns.varlen:
             pointers.update(chunk_map="*i32", cu_seqlens="*i32")
         for name in (whole, BLOCKWISE[pass_name]):
             for config in ns.configs.split(","):
                 block_k, warps = (int(x) for x in config.split("x"))
-                constants = {"H": 16, "HV": 16, "K": ns.K, "BK": block_k, "HAS_G": ns.g, "IS_VARLEN": ns.varlen}
-                constants.update({n: None for n in ("g_cum", "chunk_map", "cu_seqlens") if n not in pointers})
+                constants = {"H": 16, "HV": 16, "K": ns.K, "BK": block_k, "HAS_G": ns.g, "STORE_Q_GATED": False,
+                             "IS_VARLEN": ns.varlen}
+                constants.update({n: None for n in ("g", "g_cum", "chunk_map", "cu_seqlens") if n not in pointers})
                 compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers,
                                             scalars, constants, {"num_warps": warps, "num_stages": 1}, gluon=False)
                 print(f"{name:36s} BK{block_k} W{warps}: {compiled['registers']} registers, "

@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,9 @@ MODES = {
 # (/work/shared/anchors.md). Keyed by a substring of torch.cuda.get_device_name(); a device not
 # listed gets a copy measured in the run (copy_ceiling below).
 COPY_CEILING = {"H200": 4.3e12}
+# The op's sides (ours and each peer) are timed in this many alternating rounds per case: a peer's
+# time moved by a third between two runs on one machine while ours stayed put.
+ROUNDS = 3
 
 Timer = Callable[[Callable[[], object]], float]
 
@@ -675,7 +679,9 @@ class OpResult:
     peak_mib: float | None = None  # one fwd+bwd's peak allocation above the live set (CUDA only)
 
 
-def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
+def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
+    """One side's first call (timed, with its outputs and gradients) and peak memory: -> (its
+    steps to time, {"fwd", "fwd+bwd", "bwd"}: callables; an OpResult without times yet)."""
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     h0 = x["h0"].detach().clone().requires_grad_() if case.states else None
     if h0 is not None:
@@ -702,15 +708,42 @@ def _measure_op(fn, case: OpCase, x: dict, timer: Timer, device) -> OpResult:
         o, d = targets(fwd())
         return torch.autograd.grad(o, leaves, d)
     peak = _peak_mib(fwd_bwd, device)
-    fwd_ms = timer(fwd)
-    fb_ms = timer(fwd_bwd)
-    note = ""
-    try:
-        bwd_ms = timer(lambda: torch.autograd.grad(outs, leaves, douts, retain_graph=True))
-    except RuntimeError:  # a backward that frees what it saved: derive it
-        bwd_ms, note = fb_ms - fwd_ms, "bwd = (fwd+bwd) - fwd"
-    return OpResult(fwd_ms, bwd_ms, fb_ms, [t.detach() if t is not None else None for t in out],
-                    [gr.detach() for gr in grads], first, note, peak)
+    steps = {"fwd": fwd, "fwd+bwd": fwd_bwd,
+             "bwd": lambda: torch.autograd.grad(outs, leaves, douts, retain_graph=True)}
+    return steps, OpResult(math.nan, math.nan, math.nan, [t.detach() if t is not None else None for t in out],
+                           [gr.detach() for gr in grads], first, "", peak)
+
+
+def _time_in_rounds(sides: dict[str, dict], results: dict[str, OpResult], timer: Timer,
+                    rounds: int) -> dict[str, Exception]:
+    """Times every side's steps in alternating rounds and stores the median of each step's round
+    times in results, so that a drift of the machine during a case falls on every side alike. A
+    backward that frees what it saved (RuntimeError on its second call) is derived, (fwd+bwd) -
+    fwd. -> {side: its exception} for the sides that failed (dropped from the later rounds)."""
+    times = {who: {step: [] for step in steps} for who, steps in sides.items()}
+    failed: dict[str, Exception] = {}
+    for _ in range(rounds):
+        for who, steps in sides.items():
+            for step, run in steps.items():
+                if who in failed or times[who][step] is None:
+                    continue
+                try:
+                    times[who][step].append(timer(run))
+                except Exception as exc:  # noqa: BLE001 - one failing side is a result
+                    if step == "bwd" and isinstance(exc, RuntimeError):
+                        times[who][step] = None
+                    else:
+                        failed[who] = exc
+    for who, by_step in times.items():
+        if who in failed:
+            continue
+        r = results[who]
+        r.fwd_ms, r.fwdbwd_ms = statistics.median(by_step["fwd"]), statistics.median(by_step["fwd+bwd"])
+        if by_step["bwd"] is None:
+            r.bwd_ms, r.note = r.fwdbwd_ms - r.fwd_ms, "bwd = (fwd+bwd) - fwd"
+        else:
+            r.bwd_ms = statistics.median(by_step["bwd"])
+    return failed
 
 
 def _peak_mib(step, device) -> float | None:
@@ -741,9 +774,10 @@ def with_per_key_gate(op):
 
 
 def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer: Timer | None = None,
-                firsts: dict | None = None, qla: SimpleNamespace | None = None) -> list[Row]:
+                firsts: dict | None = None, qla: SimpleNamespace | None = None, rounds: int = ROUNDS) -> list[Row]:
     """Rows of one case: per direction, one row beside FLA ("-" without it) and, where FlashQLA
-    loaded (qla), one beside FlashQLA; each peer's max_abs / max_rel are against our results."""
+    loaded (qla), one beside FlashQLA; each peer's max_abs / max_rel are against our results.
+    Every side is timed in `rounds` alternating rounds (_time_in_rounds)."""
     timer = timer or (lambda fn: time_ms(fn, warmup=25, rep=100))
     x = make_op_inputs(case, device, seed=case.T + case.H + case.B)
     fla_fn = None if fla is None else (getattr(fla, "kda", None) if case.per_key_gate else fla.op)
@@ -756,16 +790,21 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
     if case.per_key_gate and ours is not None:
         ours = with_per_key_gate(ours)
     res: dict[str, OpResult | None] = {}
+    steps = {}
     for who, fn in (("ours", ours), *((who, fn) for who, (_, fn) in peers.items())):
         res[who] = None
         if fn is None:
             continue
         try:
-            res[who] = _measure_op(fn, case, x, timer, device)
+            steps[who], res[who] = _op_steps(fn, case, x, device)
             if firsts is not None:
                 firsts[(who, case.label)] = (case.label, res[who].first_s)
         except Exception as exc:  # noqa: BLE001 - one failing configuration is a result
             msgs[who].append(_refusal(who, exc))
+    for who, exc in _time_in_rounds(steps, res, timer, rounds).items():
+        msgs[who].append(_refusal(who, exc))
+        res[who] = None
+    del steps
     o = res["ours"]
     line = peak_memory_note(case.label, res)
     if line:
@@ -792,8 +831,8 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
     return rows
 
 
-def run_op(quick: bool = False, progress_factory=None, device="cuda",
-           timer: Timer | None = None, cases: Sequence[str] | None = None) -> tuple[list[Section], list[str]]:
+def run_op(quick: bool = False, progress_factory=None, device="cuda", timer: Timer | None = None,
+           cases: Sequence[str] | None = None, rounds: int = ROUNDS) -> tuple[list[Section], list[str]]:
     notes: list[str] = []
     plan = op_plan(quick, cases)
     ours = load_ours("chunk_gated_delta_rule", notes)
@@ -803,12 +842,14 @@ def run_op(quick: bool = False, progress_factory=None, device="cuda",
         families = len({c.family for c in plan})
         notes.append(f"FLA autotunes on the first call of each new shape family ({families} here, "
                      "about 75-110 s each on an H200); every case runs once untimed before timing")
+    notes.append(f"each side timed in {rounds} alternating rounds per case (do_bench medians; the median of "
+                 "the rounds)")
     bar = progress_factory(len(plan)) if progress_factory else None
     sec = Section(f"gated delta rule op (chunk_gated_delta_rule), bf16, g fp32, chunk {CHUNK}; "
                   "grads of q, k, v, g, beta (, h0); KDA rows: per-key gk beside FLA's chunk_kda")
     firsts: dict = {}
     for case in plan:
-        sec.rows += run_op_case(case, ours, fla, notes, device, timer, firsts, qla)
+        sec.rows += run_op_case(case, ours, fla, notes, device, timer, firsts, qla, rounds)
         if bar:
             bar.update()
     if bar:

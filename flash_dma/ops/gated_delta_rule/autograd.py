@@ -44,8 +44,8 @@ def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, sca
     if gk is not None:
         # the gate cumsums and the gated pair products (kernels of their own) come first; the
         # prepare program then only inverts and forms w, u (all in one program it spilled)
-        g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, store_q_gated)
-        aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g_cum, gk_cum, ai, scale)
+        g_cum, gk_cum, k_gated, q_gated, aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g, gk, ai, scale,
+                                                                          store_q_gated)
     g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu, decay_bound)
     return g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated
 

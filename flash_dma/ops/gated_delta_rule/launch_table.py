@@ -56,7 +56,7 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(kp, min(vp, 64), num_warps=4, num_stages=2)
     # K tiles narrower than 64 miscompile on Triton 3.6 / Hopper (a shared-memory overrun in the
     # dqkw row sum, and NaN gradients with gk at K = 32): tiles stay >= 64 wide, masked beyond K,
-    # except pair_grad's whole-chunk tiles at K a multiple of 64 (unmasked; 64 wide spilled)
+    # except the gated-pair kernels' tiles (at most 32 wide; GPU tests cover K = 16 to 256)
     if kernel == "pair_grad":  # one chunk's K tile per program, no pipeline
         return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1)
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
@@ -67,8 +67,10 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
     if kernel == "chunk_cumsum":
         return GdnConfig(64, 16, num_warps=4, num_stages=1)
-    if kernel == "gated_pairs":  # one chunk per program, its [64, 64] products over K tiles
-        return GdnConfig(64, 16, num_warps=4, num_stages=1)
+    if kernel == "gated_pairs":
+        # one chunk per program: the gate cumsums, then its [64, 64] products over K tiles; 32-wide
+        # tiles with 2 warps (a few spilled words) ran faster than 64 with 4, 16 with 2 or 4
+        return GdnConfig(min(kp, 32), 16, num_warps=2, num_stages=1)
     # The blockwise kernels (BLOCKWISE_PARENT) are chains of small dependent steps per program:
     # fewer warps fit more programs an SM (four warps ran 1.3x slower where every chunk had a
     # strong decay; one warp forward, or two backward, slower in other mixes)

@@ -307,12 +307,14 @@ from triton.experimental.gluon._runtime import GluonASTSource
 job = json.loads(sys.argv[2])
 module, name = job["kernel"].rsplit(".", 1)
 kernel = getattr(importlib.import_module(module), name)
-signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in job["constants"]}}
-order = [n for n in getattr(kernel, "arg_names", signature) if n in signature]  # the kernel's order
+names = getattr(kernel, "arg_names", None)
+constants = {n: v for n, v in job["constants"].items() if names is None or n in names}  # shared lists
+signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in constants}}
+order = [n for n in (names or signature) if n in signature]  # the kernel's order
 signature = {n: signature[n] for n in order}
-aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"]}  # as launches specialise them
+aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"] if n in order}  # as launches specialise them
 source = GluonASTSource if job["gluon"] else ASTSource
-compiled = triton.compile(source(kernel, signature, job["constants"], aligned),
+compiled = triton.compile(source(kernel, signature, constants, aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])
 import os, re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas

@@ -1,5 +1,6 @@
-"""With the per-key gate gk: the gated key-key and query-key products of a chunk (forward) and the
-gradients through both (backward). Each pass is two kernels: whole [64, 64] products, one
+"""With the per-key gate gk: the gated key-key and query-key products of a chunk (forward, which
+also forms the gate cumsums and gated q, k from the same tiles) and the gradients through both
+(backward). Each pass is two kernels: whole [64, 64] products, one
 program per chunk (and K tile in the backward), where every key's log decay spans at most 120
 over the chunk (per-token decays above about e^-1.9 on average); then 16-row block by block,
 with the gate factorisation around reference rows described in common.py, on the same grid,
@@ -17,6 +18,7 @@ from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
     key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
 )
+from .key_gates import gate_buffers, key_gate_tile, scalar_gate_cumsum
 
 
 # The whole-chunk form's largest factor exponent: with the reference at the middle of each key's
@@ -101,32 +103,38 @@ def store_gated_block(q, k, g_cum, gk_cum, a_raw, aqk, tok0, hv, head, n_valid, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu_seqlens, T, scale,
+def gdn_gated_pairs_kernel(q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks, chunk_map,
+                           cu_seqlens, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                           HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """With the per-key gate: a chunk's gated pair products, one program per (chunk, value head),
-    with B the total per-key log decay,
+                           HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With the per-key gate: a chunk's gate cumsums and gated q, k (as gdn_chunk_cumsum_kernel,
+    from the same tiles) and its gated pair products, one program per (chunk, value head), with
+    B the total per-key log decay,
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
     as [64, 64] products around each key's middle reference r: (a e^(B - r)) (k e^(r - B))^T
     (the pairs above the diagonal may overflow to inf near the limit; they are dropped).
-    Where some key's decay spans more than 2 CHUNK_FACTOR_EXPONENT over the chunk nothing is
+    Where some key's decay spans more than 2 CHUNK_FACTOR_EXPONENT over the chunk no product is
     stored and needs_blocks[program] is set: gdn_gated_pair_blocks_kernel forms that chunk.
     gdn_prepare_kernel takes A_raw on from here."""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     valid = rows < n_valid
+    if HAS_G:
+        g_rows = scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV, n_valid)
     acc_a = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     acc_p = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     misfits = tl.zeros([BK], dtype=tl.int32)
     for k_start in range(0, K, BK):  # optimistic: the products are kept only if every key fits
         cols = k_start + tl.arange(0, BK)
-        gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
+        gate, k_rows = key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
+                                     H, HV, K, STORE_Q_GATED)
+        if HAS_G:
+            gate += g_rows[:, None]
         ref, key_fits = chunk_reference(gate, valid)
         misfits += (key_fits == 0).to(tl.int32)
         if tl.sum(misfits, axis=0) == 0:  # once a key does not fit, the products are not kept
             left, right = chunk_factors(gate, ref, valid[:, None])
-            k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
             q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
             right = k_rows * right
             acc_a += tl.dot(k_rows * left, tl.trans(right))
@@ -141,12 +149,14 @@ def gdn_gated_pairs_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_gated_pair_blocks_kernel(q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu_seqlens, T, scale,
+def gdn_gated_pair_blocks_kernel(q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks,
+                                 chunk_map, cu_seqlens, T, scale,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                                 HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+                                 HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The same products 16x16 block by block, factorised around reference rows as in common.py,
     for the chunks gdn_gated_pairs_kernel left (needs_blocks): one program per chunk, as there;
-    the others exit at once."""
+    the others exit at once. (It takes the whole-chunk kernel's arguments; the gates are formed
+    there.)"""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     if tl.load(blocks_flag(needs_blocks)) != 0:
         for bi in range(0, BLOCKS):
@@ -337,11 +347,13 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: float):
-    """With gk: the gated key-key products into a_raw (prepare inverts them there) and the
-    query-key products P. -> aqk [B, T, HV, 64] fp32."""
+def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):
+    """With gk: the gate pass of key_gates.key_gate_cumsums, and the gated key-key products into
+    a_raw (prepare inverts them there) and the query-key products P.
+    -> (g_cum or None, gk_cum, k_gated, q_gated or None, aqk [B, T, HV, 64] fp32)."""
     B, T, H, K = k.shape
-    HV = gk_cum.shape[2]
+    HV = gk.shape[2]
+    g_cum, gk_cum, k_gated, q_gated = gate_buffers(q, k, g, gk, store_q_gated)
     aqk = torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=torch.float32)
     cfg = plan.launch("gated_pairs")
     chunk_map, cu = chunk_args(layout)
@@ -351,10 +363,10 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g_cum, gk_cum, a_raw, scale: fl
     for kernel, own in ((gdn_gated_pairs_kernel, cfg),
                         (gdn_gated_pair_blocks_kernel, plan.launch("gated_pair_blocks"))):
         launch(kernel, grid,
-               q, k, g_cum, gk_cum, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
-               H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen,
-               num_warps=own.num_warps, num_stages=own.num_stages)
-    return aqk
+               q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
+               H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
+               IS_VARLEN=layout.is_varlen, num_warps=own.num_warps, num_stages=own.num_stages)
+    return g_cum, gk_cum, k_gated, q_gated, aqk
 
 
 def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta, db,

@@ -12,29 +12,48 @@ from .common import (
 )
 
 
+@triton.jit
+def scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV: tl.constexpr, n_valid):
+    """The chunk-local cumsum of the scalar log decay (fp32), stored to g_cum and returned."""
+    cum = tl.cumsum(load_vec(g, tok0, rows, HV, hv, n_valid).to(tl.float32), 0)
+    store_vec(g_cum, cum, tok0, rows, HV, hv, n_valid)
+    return cum
+
+
+@triton.jit
+def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
+    """One [64, BK] tile of the per-key gate: its chunk-local cumsum C (fp32), stored to gk_cum,
+    and k e^(C_last - C), stored to k_gated (with STORE_Q_GATED q e^C to q_gated), C the per-key
+    cumsum alone, per value head in k's dtype. -> (C, the k tile in fp32); rows past n_valid
+    of C repeat the last valid row."""
+    key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
+    store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
+    k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    decay_to_end = tl.exp(last_row_of(key_cum, n_valid)[None, :] - key_cum)
+    store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
+    if STORE_Q_GATED:
+        q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+        store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
+    return key_cum, k_rows
+
+
 @triton.jit(do_not_specialize=["T"])
 def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                             HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chunk-local cumulative sums of the scalar and per-key log decays (fp32), one program per
-    (chunk, value head); and k e^(C_last - C) (with STORE_Q_GATED also q e^C), C the per-key cumsum
-    alone, per value head in k's dtype: the state passes read them as bwd_dhu's public convention
-    has them, instead of gating [64, K] tiles inside their sequential chains."""
+    (chunk, value head), and the gated k (and q) of key_gate_tile: the state passes read them as
+    bwd_dhu's public convention has them, instead of gating [64, K] tiles inside their
+    sequential chains. (Where the forward forms the gated pairs, gdn_gated_pairs_kernel does
+    this itself.)"""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     if HAS_G:
-        gt = load_vec(g, tok0, rows, HV, hv, n_valid).to(tl.float32)
-        store_vec(g_cum, tl.cumsum(gt, 0), tok0, rows, HV, hv, n_valid)
+        scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV, n_valid)
     for k_start in range(0, K, BK):
-        cols = k_start + tl.arange(0, BK)
-        key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
-        store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
-        k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-        decay_to_end = tl.exp(last_row_of(key_cum, n_valid)[None, :] - key_cum)
-        store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
-        if STORE_Q_GATED:
-            q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-            store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
+        key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, k_start + tl.arange(0, BK),
+                      n_valid, H, HV, K, STORE_Q_GATED)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -59,9 +78,8 @@ def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def key_gate_cumsums(plan, layout: ChunkLayout, q, k, g, gk, store_q_gated: bool):
-    """With gk: the gate cumsums (g_cum None without g), and the gated k (and q) of the state
-    passes, per value head. -> (g_cum, gk_cum, k_gated, q_gated or None)."""
+def gate_buffers(q, k, g, gk, store_q_gated: bool):
+    """The outputs of the gate pass: (g_cum or None without g, gk_cum, k_gated, q_gated or None)."""
     B, T, H, K = k.shape
     HV = gk.shape[2]
     dev = k.device
@@ -69,6 +87,15 @@ def key_gate_cumsums(plan, layout: ChunkLayout, q, k, g, gk, store_q_gated: bool
     gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
     k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if store_q_gated else None
+    return g_cum, gk_cum, k_gated, q_gated
+
+
+def key_gate_cumsums(plan, layout: ChunkLayout, q, k, g, gk, store_q_gated: bool):
+    """With gk: the gate cumsums (g_cum None without g), and the gated k (and q) of the state
+    passes, per value head. -> (g_cum, gk_cum, k_gated, q_gated or None)."""
+    B, T, H, K = k.shape
+    HV = gk.shape[2]
+    g_cum, gk_cum, k_gated, q_gated = gate_buffers(q, k, g, gk, store_q_gated)
     cfg = plan.launch("chunk_cumsum")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_chunk_cumsum_kernel, (layout.num_slots, B * HV),
