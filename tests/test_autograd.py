@@ -42,3 +42,28 @@ def test_create_graph_gives_first_order_and_refuses_second(op):
     penalty = sum(g.float().square().sum() for g in graphed)
     with pytest.raises(RuntimeError, match="second derivatives"):
         penalty.backward()
+
+
+@pytest.mark.parametrize("others_need_grad", [False, True], ids=["gk-alone", "all-inputs"])
+def test_create_graph_where_the_forward_keeps_the_key_gate_cumsums(others_need_grad):
+    """With the per-key gate at head dims a multiple of 64 the forward keeps gk's cumsums in place
+    of gk (autograd.kept_gate): where gk alone requires grad it is still there to anchor the
+    refusal of a second derivative."""
+    torch.manual_seed(0)
+    B, T, H, D = 1, 70, 2, 64
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, D, device=DEVICE), dim=-1).to(DTYPE)
+            .requires_grad_(others_need_grad) for _ in range(2))
+    v = torch.randn(B, T, H, D, device=DEVICE, dtype=DTYPE, requires_grad=others_need_grad)
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=DEVICE) + 3).requires_grad_()
+    beta = torch.rand(B, T, H, device=DEVICE, requires_grad=others_need_grad)
+    leaves = [t for t in (q, k, v, gk, beta) if t.requires_grad]
+
+    def op():
+        return chunk_gated_delta_rule(q, k, v, None, beta, gk=gk)[0].float().sum()
+    plain = torch.autograd.grad(op(), leaves)
+    graphed = torch.autograd.grad(op(), leaves, create_graph=True)
+    for a, b in zip(graphed, plain):
+        assert torch.equal(a, b)
+    assert all(g.requires_grad for g in graphed)
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        sum(g.float().square().sum() for g in graphed).backward()

@@ -150,8 +150,8 @@ def test_gdn_candidates_keep_the_tiles_that_compile():
         assert full[0] == (gdn_table._default(pass_name, 128, 128) if pass_name != "intra"
                            else gdn_table.GdnConfig(128, 64, 4, 2))
         assert len(set(full)) == len(full) > gdn_tune.QUICK_CANDIDATES
-        # pair_grad's whole-chunk tiles are 32 wide by the table (64 spilled); the others stay >= 64
-        assert all(c.block_k >= (32 if pass_name == "pair_grad" else 64) for c in full)
+        # the gated-pair kernels' tiles are 32 wide by the table (launch_table._default); the others stay >= 64
+        assert all(c.block_k >= (32 if pass_name in ("gated_pairs", "pair_grad") else 64) for c in full)
         if pass_name == "intra":
             assert {c.block_v for c in full} == {64} and {c.block_k for c in full} == {128}
 
@@ -175,7 +175,7 @@ def test_env_describes_both_ops(capsys, monkeypatch):
     lines = out.splitlines()
     assert any("attn_fwd:" in line and "(interpreter" in line for line in lines)
     assert any("attn_bwd_dkdv:" in line for line in lines)
-    for pass_name in ("chunk_cumsum", "gated_pairs", "prepare_gk", "intra", "bwd_dhu", "bwd_dqkw", "pair_grad"):
+    for pass_name in ("gated_pairs", "prepare_gk", "intra", "bwd_dhu", "bwd_dqkw", "pair_grad"):
         assert any(line.strip().startswith(f"{pass_name}: ") and "(interpreter)" in line for line in lines), pass_name
     assert any(line.strip() == "gate_grad: BK128_BV16_W4_S2 (rule)" for line in lines)
     assert any("split_prepare: False (rule)" in line for line in lines)
@@ -184,7 +184,7 @@ def test_env_describes_both_ops(capsys, monkeypatch):
 def test_gdn_describe_follows_the_shape():
     plain = gdn_plan.describe("B=2 T=8192 H=16 K=128 V=128", torch.device("cpu"))
     assert "gates g;" in plain[0] and any(line.startswith("prepare_t: ") for line in plain)
-    assert not any(line.startswith(("prepare_gk", "chunk_cumsum")) for line in plain)
+    assert not any(line.startswith(("prepare_gk", "gated_pairs")) for line in plain)
     assert any(line == "split_prepare: True (table)" for line in plain)
     both = gdn_plan.describe("B=1 T=4096 H=4 HV=8 K=64 V=32 g gk", torch.device("cpu"))
     assert "gates g+gk;" in both[0] and any(line.startswith("prepare_gk: ") for line in both)

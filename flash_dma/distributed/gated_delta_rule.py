@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops.gated_delta_rule.autograd import ChunkGatedDeltaRuleFunction, run_backward
+from ..ops.gated_delta_rule.autograd import ChunkGatedDeltaRuleFunction, kept_gate, run_backward
 from ..ops.gated_delta_rule.autograd import forward as op_forward
 from ..ops.gated_delta_rule.checks import check_op_inputs
 from ..ops.gated_delta_rule.interface import op_arguments
@@ -226,23 +226,23 @@ class _ContextParallelDeltaRule(torch.autograd.Function):
         layout = chunk_layout(1, q.shape[1], cu_seqlens)
         plan = plan_context_parallel(q, v, g is not None, gk is not None, layout, exchange.forward_join, None)
         with device_guard(q.device):
-            o, finals, g_cum, ai, aqk, (seg_starts, seg_transitions, seg_reach) = op_forward(
+            o, finals, g_cum, gk_cum, ai, aqk, (seg_starts, seg_transitions, seg_reach) = op_forward(
                 plan, layout, q, k, v, g, gk, beta, scale, piece_initial, True)
             layout.zero_rows_outside(o)
         # the backward recomputes the states from the segments' starts (no exchange)
-        ctx.save_for_backward(q, k, v, g, gk, beta, exchange.piece_starts, g_cum, ai, aqk, seg_starts,
-                              seg_transitions, seg_reach)
+        ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta), beta, exchange.piece_starts,
+                              g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach)
         ctx.layout, ctx.scale = layout, scale
         ctx.plan = replace(plan, forward_join=None, backward_join=exchange.backward_join)
         return o, finals
 
     @staticmethod
     def backward(ctx, do, dfinals):
-        (q, k, v, g, gk, beta, piece_starts, g_cum, ai, aqk, seg_starts, seg_transitions,
+        (q, k, v, g, gk, beta, piece_starts, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions,
          seg_reach) = ctx.saved_tensors
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
                                                        piece_starts, g_cum, ai, aqk, do, dfinals,
-                                                       (seg_starts, seg_transitions, seg_reach))
+                                                       (seg_starts, seg_transitions, seg_reach), gk_cum)
         return first_order_only("cp_chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
                                 (q, k, v, g, gk, beta))

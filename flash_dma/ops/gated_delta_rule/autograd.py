@@ -4,8 +4,9 @@ Forward: prepare (gates, WY representation) -> states -> output; where T is kept
 full, the state pass forms the WY products from T itself. On SM90, where enough programs run,
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
 states nor v_new. The backward keeps about what FLA keeps (the inputs, the scalar gate's
-cumsums and the per-chunk inverse T; with the per-key gate T and the gated query-key products;
-no per-chunk states): it recomputes w, u and the states (with gk the gated q and k too), then
+cumsums and the per-chunk inverse T; with the per-key gate T, the gated query-key products and
+the gate cumsums in place of gk; no per-chunk states): it recomputes w, u and the states (with
+gk the gated q and k too), then
 runs the state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each
 step goes is the call's plan (plan.py); the kernels are the plan's backend's (one module per
 pass).
@@ -60,9 +61,9 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
             output_final_state: bool):
-    """-> (o, final state or None, g_cum, T and the gated query-key products where the backward
-    reuses them, else None, segments: (starts, transitions, backward reach or None) of a sequence
-    split of the state pass, else None)."""
+    """-> (o, final state or None, g_cum, gk_cum, T and the gated query-key products where the
+    backward reuses them, else None, segments: (starts, transitions, backward reach or None) of
+    a sequence split of the state pass, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -78,21 +79,24 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
                                             output_final_state, scale, fused, decay_bound)
     else:
         if split and not plan.states_from_inverse.value:
-            w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
+            w, u, _, _ = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai)
         h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v,
                                                           beta, ai, w, u, g_cum, gk_cum, initial_state,
                                                           output_final_state, decay_bound=decay_bound)
         del w, u, k_gated
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
-    # reuse them: T and the scalar gate's cumsums; with gk T and the gated pair products.
-    if not plan.keep_inverse:
+    # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the
+    # gate cumsums (kept in place of gk itself: the backward needs only them).
+    if not (plan.keep_inverse or plan.keep_gated_pairs):
         g_cum = None
+    if not plan.keep_gated_pairs:
+        gk_cum = None
     if not plan.keeps_t:
         ai = None
     if not plan.keep_gated_pairs:
         aqk = None
-    return o, final, g_cum, ai, aqk, segments
+    return o, final, g_cum, gk_cum, ai, aqk, segments
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
@@ -120,10 +124,11 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
-             g_cum, ai, aqk=None, segments=None):
-    """g_cum, ai and aqk: the forward's gate cumsums, T and (gk) gated query-key products, or
-    None where it keeps them not; segments: the forward's (starts, transitions, backward reach or
-    None) of its sequence split, or None (recomputed)."""
+             g_cum, ai, aqk=None, segments=None, gk_cum=None):
+    """g_cum, ai, aqk and gk_cum: the forward's gate cumsums, T and (gk) gated query-key products
+    and per-key gate cumsums, or None where it keeps them not (gk itself is needed only then);
+    segments: the forward's (starts, transitions, backward reach or None) of its sequence split,
+    or None (recomputed)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
@@ -135,16 +140,16 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
-    elif gk is not None:  # T and the gated pair products kept: the gates and w, u again
-        g_cum, gk_cum, k_gated, q_gated = ops.key_gates.key_gate_cumsums(plan, layout, q, k, g, gk, True)
-        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai, gk_cum=gk_cum)
+    elif gk_cum is not None:  # T, the gated pair products and the gate cumsums kept: w, u and the gated q, k
+        w, u, k_gated, q_gated = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai, gk_cum=gk_cum,
+                                                             q=q)
     elif ((warp_roles or dhu_warp_roles) and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
         # the state pass forms v_new from T and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
-        w, u = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
-                                           with_u=not plan.backward_states_from_inverse.value)
+        w, u, _, _ = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
+                                                 with_u=not plan.backward_states_from_inverse.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
     # u None: the state pass forms v_new from T (w is still bwd_dhu's)
     h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
@@ -193,7 +198,7 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     del h, dh, v_new
     dv, dbeta, dg, d_a = ops.bwd_wy.bwd_wy(plan, layout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)
     dgk = finished = None
-    if gk is not None:
+    if gk_cum is not None:
         # without grouped value heads the kernel writes the finished dq and dk itself
         finished = ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a,
                                                  grads.dq, grads.dk, dbeta, grads.db, scale,
@@ -210,26 +215,26 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
 
 
 def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: bool, cu_seqlens):
-    """The forward of one call, planned: -> (o, final state or None, g_cum, ai, aqk, segments,
-    layout, plan), g_cum, ai and aqk as forward() keeps them for the backward. Shared with the
-    custom ops (custom_op.py)."""
+    """The forward of one call, planned: -> (o, final state or None, g_cum, gk_cum, ai, aqk,
+    segments, layout, plan), g_cum, gk_cum, ai and aqk as forward() keeps them for the backward.
+    Shared with the custom ops (custom_op.py)."""
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens)
     plan = plan_call(q, v, g is not None, gk is not None, layout)
-    o, final, g_cum, ai, aqk, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                 output_final_state)
+    o, final, g_cum, gk_cum, ai, aqk, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
+                                                         output_final_state)
     layout.zero_rows_outside(o)
-    return o, final, g_cum, ai, aqk, segments, layout, plan
+    return o, final, g_cum, gk_cum, ai, aqk, segments, layout, plan
 
 
 def run_backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
-                 g_cum, ai, aqk, do, dht, segments=None):
+                 g_cum, ai, aqk, do, dht, segments=None, gk_cum=None):
     """-> (dq, dk, dv, dg, dgk, dbeta in beta's dtype, dh0); dg, dgk, dh0 None where absent."""
     do = as_rows(do)
     dht = None if dht is None else dht.float().contiguous()
     with device_guard(q.device):
         dq, dk, dv, dg, dgk, dbeta, dh0 = backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                   do, dht, g_cum, ai, aqk, segments)
+                                                   do, dht, g_cum, ai, aqk, segments, gk_cum)
         layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
     return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), dh0
 
@@ -256,24 +261,34 @@ def run_bwd_dhu(q, k, w, do, dv, g, gk, h0, dht, scale, cu_seqlens):
     return dh, dh0, dv2
 
 
+def kept_gate(gk, gk_cum, *others):
+    """What the backward keeps of gk: nothing where the forward kept its cumsums gk_cum (the
+    backward needs only them), unless gk is the only input that requires grad (first_order_only
+    then anchors the gradients on it under create_graph). -> gk or None."""
+    if gk_cum is None:
+        return gk
+    needs = gk.requires_grad and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in others)
+    return gk if needs else None
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
-        o, final, g_cum, ai, aqk, segments, layout, plan = run_forward(q, k, v, g, gk, beta, scale, initial_state,
-                                                                       output_final_state, cu_seqlens)
+        o, final, g_cum, gk_cum, ai, aqk, segments, layout, plan = run_forward(
+            q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens)
         seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
-        ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, g_cum, ai, aqk, seg_starts, seg_transitions,
-                              seg_reach)
+        ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, initial_state), beta,
+                              initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        (q, k, v, g, gk, beta, initial_state, g_cum, ai, aqk, seg_starts, seg_transitions,
+        (q, k, v, g, gk, beta, initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions,
          seg_reach) = ctx.saved_tensors
         segments = None if seg_starts is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
-                                                       initial_state, g_cum, ai, aqk, do, dht, segments)
+                                                       initial_state, g_cum, ai, aqk, do, dht, segments, gk_cum)
         return first_order_only("chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
                                 (q, k, v, g, gk, beta, initial_state))

@@ -1,11 +1,13 @@
 """The chunked gated delta rule as torch.library custom ops, for torch.compile.
 
-flash_dma::gated_delta_rule_fwd  (q, k, v, g?, gk?, beta, ...) -> (o, final, g_cum, ai, aqk, starts, transitions)
+flash_dma::gated_delta_rule_fwd  (q, k, v, g?, gk?, beta, ...) -> (o, final, g_cum, gk_cum, ai, aqk, starts,
+                                  transitions)
 flash_dma::gated_delta_rule_bwd  (do, dht?, q, k, v, ...) -> (dq, dk, dv, dg, dgk, dbeta, dh0)
 flash_dma::gated_delta_rule_bwd_dhu  the public state-gradient pass -> (dh, dh0, dv2)
 
-The forward's g_cum, ai and aqk (the gate cumsums, T and, with gk, the gated query-key products
-that the eager Function keeps for its backward, where the plan keeps them) and, where the plan
+The forward's g_cum, gk_cum, ai and aqk (the gate cumsums, T and, with gk, the gated query-key
+products that the eager Function keeps for its backward, where the plan keeps them; gk itself is
+then not kept) and, where the plan
 cuts the state pass into segments, each segment's starting state and transition are outputs of
 the forward op, marked non-differentiable, so the backward op reuses them as the eager backward
 does. Their shapes follow from the plan, which
@@ -23,7 +25,7 @@ from torch import Tensor
 from ...runtime.custom_ops import absent, present
 from ...runtime.config import ceil_div
 from ...runtime.hardware import device_guard
-from .autograd import compile_ahead_of_first_call, run_backward, run_bwd_dhu, run_forward
+from .autograd import compile_ahead_of_first_call, kept_gate, run_backward, run_bwd_dhu, run_forward
 from .checks import check_op_inputs, checked_cu_seqlens
 from .launch_table import keeps_gated_pairs, keeps_inverse
 from .layout import CHUNK, as_rows, chunk_layout
@@ -35,7 +37,7 @@ from .segments import segment_bound
 def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: Tensor | None, beta: Tensor,
                          scale: float, initial_state: Tensor | None, output_final_state: bool,
                          cu_seqlens: Tensor | None, compile_backward: bool
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v, g, gk, beta as chunk_gated_delta_rule hands them to its autograd Function (rows,
     gates in fp32). compile_backward: the call will be differentiated (compile its backward's
     kernels ahead too)."""
@@ -44,12 +46,12 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
             cu_seqlens)
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward)
-        o, final, g_cum, ai, aqk, segments, _, _ = run_forward(*args)
+        o, final, g_cum, gk_cum, ai, aqk, segments, _, _ = run_forward(*args)
     # the backward's reach (segments.py) does not cross the op boundary: there bwd_dhu's local
     # pass runs whole segments (the same result, dropped transitions included)
     starts, transitions = (absent(q), absent(q)) if segments is None else segments[:2]
-    return o, final if output_final_state else absent(q), absent(q) if g_cum is None else g_cum, \
-        absent(q) if ai is None else ai, absent(q) if aqk is None else aqk, starts, transitions
+    kept = tuple(absent(q) if t is None else t for t in (g_cum, gk_cum, ai, aqk))
+    return (o, final if output_final_state else absent(q), *kept, starts, transitions)
 
 
 def _segment_slots(q, v, cu_seqlens, per_segment: int | None = None) -> int | None:
@@ -65,12 +67,12 @@ def _segment_slots(q, v, cu_seqlens, per_segment: int | None = None) -> int | No
     return segment_bound(B, T, None if cu_seqlens is None else num_seqs, per_segment)
 
 
-def _kept_for_backward(k, v, g, gk) -> tuple[bool, bool, bool]:
-    """(g_cum kept, ai kept, aqk kept): what the plan's forward keeps (plan.keep_inverse,
-    plan.keep_gated_pairs)."""
+def _kept_for_backward(k, v, g, gk) -> tuple[bool, bool, bool, bool]:
+    """(g_cum kept, gk_cum kept, ai kept, aqk kept): what the plan's forward keeps
+    (plan.keep_inverse, plan.keep_gated_pairs)."""
     keep = keeps_inverse(k.shape[3], v.shape[3], gk is not None)
     pairs = keeps_gated_pairs(k.shape[3], v.shape[3], gk is not None)
-    return keep and g is not None, keep or pairs, pairs
+    return (keep or pairs) and g is not None, pairs, keep or pairs, pairs
 
 
 @gated_delta_rule_fwd.register_fake
@@ -81,31 +83,35 @@ def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, outpu
     o = q.new_empty((B, T, HV, V))
     num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final = q.new_empty((num_seqs, HV, K, V), dtype=torch.float32) if output_final_state else absent(q)
-    keep_g_cum, keep_ai, keep_aqk = _kept_for_backward(k, v, g, gk)
+    keep_g_cum, keep_gk_cum, keep_ai, keep_aqk = _kept_for_backward(k, v, g, gk)
     g_cum = q.new_empty((B, T, HV), dtype=torch.float32) if keep_g_cum else absent(q)
+    gk_cum = q.new_empty((B, T, HV, K), dtype=torch.float32) if keep_gk_cum else absent(q)
     # T's buffer (wy_prepare.inverse_buffer): fp32 with gk or for fp32 inputs
     ai_dtype = torch.float32 if k.dtype == torch.float32 or gk is not None else k.dtype
     ai = q.new_empty((B, T, HV, CHUNK), dtype=ai_dtype) if keep_ai else absent(q)
     aqk = q.new_empty((B, T, HV, CHUNK), dtype=torch.float32) if keep_aqk else absent(q)
     slots = _segment_slots(q, v, cu_seqlens)
     if slots is None:
-        return o, final, g_cum, ai, aqk, absent(q), absent(q)
+        return o, final, g_cum, gk_cum, ai, aqk, absent(q), absent(q)
     starts = q.new_empty((slots, HV, K, V), dtype=torch.float32)
-    return o, final, g_cum, ai, aqk, starts, q.new_empty((slots, HV, K, K), dtype=torch.float32)
+    return o, final, g_cum, gk_cum, ai, aqk, starts, q.new_empty((slots, HV, K, K), dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_dma::gated_delta_rule_bwd", mutates_args=())
 def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
                          gk: Tensor | None, beta: Tensor, scale: float, initial_state: Tensor | None,
-                         cu_seqlens: Tensor | None, g_cum: Tensor, ai: Tensor, aqk: Tensor, starts: Tensor,
-                         transitions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         cu_seqlens: Tensor | None, g_cum: Tensor, gk_cum: Tensor, ai: Tensor, aqk: Tensor,
+                         starts: Tensor, transitions: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dgk, dbeta, dh0), contiguous; placeholders for absent g, gk, initial_state.
-    starts, transitions: the forward's segments, or empty placeholders where it did not cut."""
+    gk: None where the forward kept gk_cum instead. starts, transitions: the forward's segments,
+    or empty placeholders where it did not cut."""
     B, T = q.shape[:2]
     cu_seqlens = checked_cu_seqlens(cu_seqlens, B, T, q.device)  # (int32, checked once per tensor)
     layout = chunk_layout(B, T, cu_seqlens)
-    plan = plan_call(q, v, g is not None, gk is not None, layout)
-    g_cum = g_cum if plan.keep_inverse and g is not None else None
+    plan = plan_call(q, v, g is not None, gk is not None or gk_cum.numel() > 0, layout)
+    g_cum = g_cum if (plan.keep_inverse or plan.keep_gated_pairs) and g is not None else None
+    gk_cum = gk_cum if plan.keep_gated_pairs else None
     ai = ai if plan.keeps_t else None
     aqk = aqk if plan.keep_gated_pairs else None
     # the forward's cut, where it made one with this plan (overrides changed between the two
@@ -116,35 +122,37 @@ def gated_delta_rule_bwd(do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v
             and starts.shape[0] == _segment_slots(q, v, cu_seqlens, per_segment)):
         segments = (starts, transitions, None)
     grads = run_backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state, g_cum, ai, aqk, do, dht,
-                         segments)
+                         segments, gk_cum)
     return tuple(absent(q) if t is None else t.contiguous() for t in grads)
 
 
 @gated_delta_rule_bwd.register_fake
-def _gated_delta_rule_bwd_fake(do, dht, q, k, v, g, gk, beta, scale, initial_state, cu_seqlens, g_cum, ai, aqk,
-                               starts, transitions):
-    like = (q, k, v, g, gk, beta, initial_state)
+def _gated_delta_rule_bwd_fake(do, dht, q, k, v, g, gk, beta, scale, initial_state, cu_seqlens, g_cum, gk_cum,
+                               ai, aqk, starts, transitions):
+    like = (q, k, v, g, gk if gk is not None or not gk_cum.numel() else gk_cum, beta, initial_state)
     return tuple(absent(q) if t is None else t.new_empty(t.shape) for t in like)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, _ = inputs
-    o, final, g_cum, ai, aqk, starts, transitions = output
-    ctx.save_for_backward(q, k, v, g, gk, beta, initial_state, cu_seqlens, g_cum, ai, aqk, starts, transitions)
-    ctx.scale, ctx.output_final_state = scale, output_final_state
-    ctx.mark_non_differentiable(g_cum, ai, aqk, starts, transitions)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for g_cum, ai and aqk
+    o, final, g_cum, gk_cum, ai, aqk, starts, transitions = output
+    gk_kept = kept_gate(gk, gk_cum if gk_cum.numel() else None, q, k, v, g, beta, initial_state)
+    ctx.save_for_backward(q, k, v, g, gk_kept, beta, initial_state, cu_seqlens, g_cum, gk_cum, ai, aqk, starts,
+                          transitions)
+    ctx.scale, ctx.output_final_state, ctx.has_gk = scale, output_final_state, gk is not None
+    ctx.mark_non_differentiable(g_cum, gk_cum, ai, aqk, starts, transitions)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the kept tensors
 
 
-def _backward(ctx, do, dht, _dg_cum, _dai, _daqk, _dstarts, _dtransitions):
-    q, k, v, g, gk, beta, initial_state, cu_seqlens, g_cum, ai, aqk, starts, transitions = ctx.saved_tensors
+def _backward(ctx, do, dht, _dg_cum, _dgk_cum, _dai, _daqk, _dstarts, _dtransitions):
+    q, k, v, g, gk, beta, initial_state, cu_seqlens, g_cum, gk_cum, ai, aqk, starts, transitions = ctx.saved_tensors
     if do is None:  # only the final state reached the loss
         do = q.new_zeros(v.shape)
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dgk, dbeta, dh0 = gated_delta_rule_bwd(do, dht, q, k, v, g, gk, beta, ctx.scale,
-                                                           initial_state, cu_seqlens, g_cum, ai, aqk, starts,
-                                                           transitions)
-    return (dq, dk, dv, present(dg, g is not None), present(dgk, gk is not None), dbeta, None,
+                                                           initial_state, cu_seqlens, g_cum, gk_cum, ai, aqk,
+                                                           starts, transitions)
+    return (dq, dk, dv, present(dg, g is not None), present(dgk, ctx.has_gk), dbeta, None,
             present(dh0, initial_state is not None), None, None, None)
 
 

@@ -32,7 +32,7 @@ class GdnConfig:
 
 
 # Every pass, by the name the table, the overrides (gdn_<pass>) and the profiling log use.
-PASSES = ("chunk_cumsum", "gated_pairs", "gated_pair_blocks", "prepare", "prepare_t", "prepare_gk", "recompute_wu",
+PASSES = ("gated_pairs", "gated_pair_blocks", "prepare", "prepare_t", "prepare_gk", "recompute_wu",
           "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu", "bwd_dqkw", "bwd_wy", "pair_grad", "pair_grad_blocks",
           "gate_grad")
 # The gated pairs' blockwise kernels run on their whole-chunk kernel's grid and K tiles: only
@@ -65,8 +65,6 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
         return GdnConfig(64, min(vp, 64), num_warps=1, num_stages=3)
     if kernel == "prepare_gk":  # inverse and w, u only (the products come from gated_pairs)
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
-    if kernel == "chunk_cumsum":
-        return GdnConfig(64, 16, num_warps=4, num_stages=1)
     if kernel == "gated_pairs":
         # one chunk per program: the gate cumsums, then its [64, 64] products over K tiles; 32-wide
         # tiles with 2 warps (a few spilled words) ran faster than 64 with 4, 16 with 2 or 4

@@ -360,7 +360,7 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
     passes = ["prepare", "prepare_t", "recompute_wu", "fwd_h", "fwd_h_from_t", "intra", "bwd_dhu",
               "bwd_dqkw", "bwd_wy"]
     if has_gk:
-        passes += ["chunk_cumsum", "gated_pairs", "gated_pair_blocks", "prepare_gk", "pair_grad", "pair_grad_blocks",
+        passes += ["gated_pairs", "gated_pair_blocks", "prepare_gk", "pair_grad", "pair_grad_blocks",
                    "gate_grad"]
     launches = {name: launch_table.choose(name, K, V, device,
                                           (dhu_chains if name == "bwd_dhu" else chains)

@@ -29,7 +29,7 @@ SEQUENTIAL = ("fwd_h", "fwd_h_from_t", "bwd_dhu")
 UNTUNED = SEQUENTIAL + ("gate_grad",) + tuple(launch_table.BLOCKWISE_PARENT)
 # Passes whose tiles are fixed by what one program holds (a chunk's products, the gates' chunk):
 # only warps and stages are swept.
-FIXED_TILES = ("chunk_cumsum", "gated_pairs", "pair_grad", "intra")
+FIXED_TILES = ("gated_pairs", "pair_grad", "intra")
 QUICK_CANDIDATES = 4
 WRONG_RESULT = 5e-2  # relative norm error against the table's configuration: a miscompile
 # The representative shape: B=2, T=8192, 16 heads, K=V=128, bf16; with g (Gated DeltaNet) and

@@ -144,7 +144,7 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
                                        torch.sigmoid(leaves[4]).detach(), K ** -0.5, leaves[5].detach(), True,
                                        None, False)
         slots = segment_bound(B, T, None, 1)
-        assert outputs[5].shape == (slots, H, K, V) and outputs[6].shape == (slots, H, K, K)
+        assert outputs[6].shape == (slots, H, K, V) and outputs[7].shape == (slots, H, K, K)
         q, k, v, g_raw, beta_raw, h0 = leaves
         torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, F.logsigmoid(g_raw), None, torch.sigmoid(beta_raw),
                                                      0.25, h0, True, None, True))
@@ -159,19 +159,25 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
 
 def test_fake_forward_keeps_what_the_forward_keeps():
     """The forward op's fake outputs have the kept tensors' shapes and dtypes (bf16 inputs): with
-    gk T in fp32 (wy_prepare.inverse_buffer) and the gated pair products in fp32, no gate cumsums;
-    with the scalar gate T in bf16 and the cumsums, no pair products."""
+    gk T in fp32 (wy_prepare.inverse_buffer), the gated pair products and the per-key gate
+    cumsums in fp32 (and the scalar one with g beside); with the scalar gate alone T in bf16 and
+    its cumsums, no pair products."""
     from flash_dma.ops.gated_delta_rule.custom_op import _gated_delta_rule_fwd_fake
     from flash_dma.ops.gated_delta_rule.triton.wy_prepare import inverse_buffer
     B, T, H, K = 1, 70, 2, 64
     q = torch.empty(B, T, H, K, device="meta", dtype=torch.bfloat16)
     gate = torch.empty(B, T, H, K, device="meta", dtype=torch.float32)
     beta = torch.empty(B, T, H, device="meta", dtype=torch.bfloat16)
-    o, _, g_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, None, gate, beta, 0.125, None, False, None, False)
+    o, _, g_cum, gk_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, None, gate, beta, 0.125, None, False,
+                                                                    None, False)
     assert o.shape == (B, T, H, K) and g_cum.numel() == 0
+    assert gk_cum.dtype == torch.float32 and gk_cum.shape == (B, T, H, K)
     assert ai.dtype == inverse_buffer(q, H, True).dtype == torch.float32 and ai.shape == (B, T, H, 64)
     assert aqk.dtype == torch.float32 and aqk.shape == (B, T, H, 64)
-    _, _, g_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None, False,
-                                                            None, False)
-    assert g_cum.shape == (B, T, H) and g_cum.dtype == torch.float32
+    _, _, g_cum, gk_cum, _, _, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], gate, beta, 0.125, None,
+                                                                 False, None, False)
+    assert g_cum.shape == (B, T, H) and gk_cum.shape == (B, T, H, K)
+    _, _, g_cum, gk_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None,
+                                                                    False, None, False)
+    assert g_cum.shape == (B, T, H) and g_cum.dtype == torch.float32 and gk_cum.numel() == 0
     assert ai.dtype == inverse_buffer(q, H, False).dtype == torch.bfloat16 and aqk.numel() == 0

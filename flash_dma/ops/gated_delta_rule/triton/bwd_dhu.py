@@ -29,7 +29,7 @@ def gdn_bwd_dhu_kernel(q, k, w, beta, do, dv, g_cum, gk_cum, dht, dh, dh0, dv2, 
         dh[c] = D;  dv2[c] = dv[c] + e^(g_last - g) (k[c] D)
         D = e^(g_last) e^(gk_last) D + scale (q[c] e^g)^T do[c] - w[c]^T dv2[c].
     q and k come already gated by gk (q e^gk, k e^(gk_last - gk): the public convention; the op
-    passes those of gdn_chunk_cumsum_kernel). BK covers all of K.
+    passes those of key_gates.store_gated_qk). BK covers all of K.
     Segments (segments.py) run it with STORE_STATES off (the gradient at the segment's start
     only, into dh0), and for their transition with DHT_IDENTITY (the state starts as the
     identity; V is then K) and CONSTANT_TERMS off (do and dv taken as zero and not read).

@@ -107,8 +107,8 @@ def gdn_gated_pairs_kernel(q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, 
                            cu_seqlens, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                            HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """With the per-key gate: a chunk's gate cumsums and gated q, k (as gdn_chunk_cumsum_kernel,
-    from the same tiles) and its gated pair products, one program per (chunk, value head), with
+    """With the per-key gate: a chunk's gate cumsums and gated k (and q) (key_gates.key_gate_tile)
+    and, from the same tiles, its gated pair products, one program per (chunk, value head), with
     B the total per-key log decay,
         A_raw[i, j] = sum_k k_i[k] k_j[k] e^(B_i[k] - B_j[k])           (strictly lower)
         Aqk[i, j]   = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k])     (lower, diagonal included)
@@ -348,7 +348,7 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
 # Launcher
 # ------------------------------------------------------------------------------------------------
 def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):
-    """With gk: the gate pass of key_gates.key_gate_cumsums, and the gated key-key products into
+    """With gk: the gate cumsums and gated k (q with store_q_gated), and the gated key-key products into
     a_raw (prepare inverts them there) and the query-key products P.
     -> (g_cum or None, gk_cum, k_gated, q_gated or None, aqk [B, T, HV, 64] fp32)."""
     B, T, H, K = k.shape

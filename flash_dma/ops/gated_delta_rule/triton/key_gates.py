@@ -1,5 +1,7 @@
-"""With the per-key gate gk: the chunk-local gate cumsums and the gated k (and q) that the state
-passes read (forward), and their backward, the reverse cumsum of the per-key gate terms."""
+"""With the per-key gate gk: tiles of the chunk-local gate cumsums and of the gated k (and q) that
+the state passes read (formed inside the forward's gated-pair kernel, and the gated q, k again in
+the backward's recompute of w and u), and the gates' backward, the reverse cumsum of the per-key
+gate terms."""
 import torch
 import triton
 import triton.language as tl
@@ -7,8 +9,7 @@ import triton.language as tl
 from ....runtime.launch import launch
 from ..layout import ChunkLayout
 from .common import (
-    CHUNK, chunk_args, chunk_of_slot, chunk_program, last_row_of, load_tile, load_vec,
-    reverse_cumsum, store_tile, store_vec
+    CHUNK, chunk_args, chunk_of_slot, last_row_of, load_tile, load_vec, reverse_cumsum, store_tile, store_vec
 )
 
 
@@ -21,39 +22,30 @@ def scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV: tl.constexpr, n_valid):
 
 
 @triton.jit
-def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
-    """One [64, BK] tile of the per-key gate: its chunk-local cumsum C (fp32), stored to gk_cum,
-    and k e^(C_last - C), stored to k_gated (with STORE_Q_GATED q e^C to q_gated), C the per-key
-    cumsum alone, per value head in k's dtype. -> (C, the k tile in fp32); rows past n_valid
-    of C repeat the last valid row."""
-    key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
-    store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
-    k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+def store_gated_qk(key_cum, k_rows, q, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
+    """The gated k and q of the state passes for one [64, BK] tile, per value head in k's dtype:
+    k e^(C_last - C) to k_gated and (STORE_Q_GATED) q e^C to q_gated, C the per-key cumsum alone
+    (key_cum, fp32) and k_rows the k tile in fp32."""
     decay_to_end = tl.exp(last_row_of(key_cum, n_valid)[None, :] - key_cum)
     store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
     if STORE_Q_GATED:
         q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
         store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
+
+
+@triton.jit
+def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
+    """One [64, BK] tile of the per-key gate: its chunk-local cumsum C (fp32), stored to gk_cum,
+    and the gated k (and q) of store_gated_qk. -> (C, the k tile in fp32); rows past n_valid of C
+    repeat the last valid row."""
+    key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
+    store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
+    k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    store_gated_qk(key_cum, k_rows, q, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid, H, HV, K,
+                   STORE_Q_GATED)
     return key_cum, k_rows
-
-
-@triton.jit(do_not_specialize=["T"])
-def gdn_chunk_cumsum_kernel(g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu_seqlens, T,
-                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                            HAS_G: tl.constexpr, STORE_Q_GATED: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Chunk-local cumulative sums of the scalar and per-key log decays (fp32), one program per
-    (chunk, value head), and the gated k (and q) of key_gate_tile: the state passes read them as
-    bwd_dhu's public convention has them, instead of gating [64, K] tiles inside their
-    sequential chains. (Where the forward forms the gated pairs, gdn_gated_pairs_kernel does
-    this itself.)"""
-    hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
-    rows = tl.arange(0, CHUNK)
-    if HAS_G:
-        scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV, n_valid)
-    for k_start in range(0, K, BK):
-        key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, k_start + tl.arange(0, BK),
-                      n_valid, H, HV, K, STORE_Q_GATED)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -87,21 +79,6 @@ def gate_buffers(q, k, g, gk, store_q_gated: bool):
     gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
     k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if store_q_gated else None
-    return g_cum, gk_cum, k_gated, q_gated
-
-
-def key_gate_cumsums(plan, layout: ChunkLayout, q, k, g, gk, store_q_gated: bool):
-    """With gk: the gate cumsums (g_cum None without g), and the gated k (and q) of the state
-    passes, per value head. -> (g_cum, gk_cum, k_gated, q_gated or None)."""
-    B, T, H, K = k.shape
-    HV = gk.shape[2]
-    g_cum, gk_cum, k_gated, q_gated = gate_buffers(q, k, g, gk, store_q_gated)
-    cfg = plan.launch("chunk_cumsum")
-    chunk_map, cu = chunk_args(layout)
-    launch(gdn_chunk_cumsum_kernel, (layout.num_slots, B * HV),
-           g, gk, g_cum, gk_cum, q, k, q_gated, k_gated, chunk_map, cu, T,
-           H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
-           IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return g_cum, gk_cum, k_gated, q_gated
 
 

@@ -33,7 +33,7 @@ def gdn_fwd_h_kernel(k, w, u, v, beta, ai, g_cum, gk_cum, h0, h, v_new, ht, deca
     dependent product to every chunk's chain: it pays where the GPU is full, not where few
     programs run (launch_table.states_from_inverse).
     With gk, k comes gated by the per-key decay to the chunk's end, k e^(C_last - C), per value
-    head (gdn_chunk_cumsum_kernel writes it), with H = HV.
+    head (key_gates.store_gated_qk writes it), with H = HV.
     Segments (segments.py) run it with STORE_STATES off (end state only, into ht), and for their
     transition M with H0_IDENTITY (the state starts as the identity; V is then K) and
     CONSTANT_TERMS off (u, or v, taken as zero and not read). USE_REACH (segments): each program
@@ -127,7 +127,7 @@ def _runner(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v
 def states(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, initial_state, store_final: bool,
            known: tuple | None = None, decay_bound: torch.Tensor | None = None):
     """States at each chunk start and v_new, from w and u, or (both None) from T (ai), v and beta.
-    With gk, k is the gated k of key_gate_cumsums (per value head). -> (h, v_new, final or None,
+    With gk, k is the gated k of key_gates.store_gated_qk (per value head). -> (h, v_new, final or None,
     segments or None).
     With the plan's chunks_per_segment, every sequence is cut into segments run side by side:
     each segment's end state from zero and its transition (from the identity), the join, then

@@ -11,6 +11,7 @@ from .common import (
     CHUNK, SUB, chunk_args, chunk_inverse, chunk_program, decay_factor, load_square_block, load_tile, load_vec,
     scalar_gamma, square_ptrs, store_tile, store_vec
 )
+from .key_gates import store_gated_qk
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
     gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
     INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
     With gk the gate cumsums and the gated key products A_raw (in `ai`) come from
-    gdn_chunk_cumsum_kernel and gdn_gated_pairs_kernel: phase 1 only loads them.
+    gdn_gated_pairs_kernel: phase 1 only loads them.
     STORE_BOUND (scalar gate, no gk): the chunk's log bound on the norm of its state transition
     into decay_bound [chunks, HV] (segments.py, "Decayed segments"), from the key norms on the
     diagonals of the key products."""
@@ -247,29 +248,36 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
 @triton.jit
 def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_heads, dst_head,
                          D: tl.constexpr, BD: tl.constexpr, tok0, rows, n_valid, hv, HV: tl.constexpr,
-                         key_gate=None, row_log=None):
+                         key_gate=None, row_log=None, q=None, q_gated=None, k_gated=None):
     """dst = T diag(row_scale) src for one chunk, in [64, BD] tiles over the head dim D; with
     key_gate ([.., HV, D] fp32, the per-key gate cumsums) src is gated element-wise by
-    e^(key_gate + row_log) first, as prepare gates it."""
+    e^(key_gate + row_log) first, as prepare gates it, and with k_gated (src = k) the gated k and
+    q of the state passes are stored from the same tiles (key_gates.store_gated_qk)."""
     dt = dst.dtype.element_ty
     t_dt = tmat.to(dt)
     for start in range(0, D, BD):
         cols = start + tl.arange(0, BD)
-        x = load_tile(src, tok0, rows, src_heads, src_head, D, cols, n_valid) * row_scale[:, None]
+        src_tile = load_tile(src, tok0, rows, src_heads, src_head, D, cols, n_valid)
+        x = src_tile * row_scale[:, None]
         if key_gate is not None:
-            x = x * tl.exp(load_tile(key_gate, tok0, rows, HV, hv, D, cols, n_valid) + row_log[:, None])
+            gate_tile = load_tile(key_gate, tok0, rows, HV, hv, D, cols, n_valid)
+            x = x * tl.exp(gate_tile + row_log[:, None])
+            if k_gated is not None:
+                store_gated_qk(gate_tile, src_tile.to(tl.float32), q, q_gated, k_gated, tok0, rows, hv, src_head,
+                               cols, n_valid, src_heads, HV, D, True)
         store_tile(dst, tl.dot(t_dt, x.to(dt)), tok0, rows, dst_heads, dst_head, D, cols, n_valid)
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu_seqlens, T,
+def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, q, q_gated, k_gated, chunk_map, cu_seqlens, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr,
                             HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_U: tl.constexpr):
     """The backward's w = T diag(beta e^g) K (with gk_cum: T diag(beta) (K . e^(g + gk))) and
     (STORE_U) u = T diag(beta) V, from the T and gate cumsums that the forward kept: one 64-row
     product per tile instead of a second prepare. Without u the state pass forms v_new from T
-    itself."""
+    itself. With k_gated (and gk_cum) also the gated k and q of the state passes
+    (key_gates.store_gated_qk), from the tiles w is formed from."""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
@@ -279,7 +287,8 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu_s
         b = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
         if gk_cum is None:
             row_scale = tl.exp(b) * beta_t
-    _t_times_scaled_rows(tmat, row_scale, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV, gk_cum, b)
+    _t_times_scaled_rows(tmat, row_scale, k, H, head, w, HV, hv, K, BK, tok0, rows, n_valid, hv, HV, gk_cum, b,
+                         q, q_gated, k_gated)
     if STORE_U:
         _t_times_scaled_rows(tmat, beta_t, v, HV, hv, u, HV, hv, V, BV, tok0, rows, n_valid, hv, HV)
 
@@ -299,7 +308,7 @@ def inverse_buffer(k, HV: int, has_gk: bool):
 
 def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool, decay_bound=None):
     """T = (I + A)^-1 per chunk into ai, the scalar gate's cumsums (unless g_cum is given: with
-    gk they come from key_gate_cumsums), with store_wu w and u, and with decay_bound
+    gk they come from the gated-pair kernel), with store_wu w and u, and with decay_bound
     ([layout.num_chunk_states, HV] fp32; scalar gate, no gk) each chunk's transition bound. -> (g_cum, w, u);
     w, u None without store_wu."""
     B, T, H, K = k.shape
@@ -320,18 +329,22 @@ def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_w
     return g_cum, w, u
 
 
-def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool = True, gk_cum=None):
-    """w and (with_u) u from the forward's T and gate cumsums (with gk, its cumsums gk_cum too:
-    key_gate_cumsums); u None without."""
+def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool = True, gk_cum=None, q=None):
+    """w and (with_u) u from the forward's T and gate cumsums (with gk, its cumsums gk_cum too);
+    with q (and gk_cum) also the gated k and q of the state passes, per value head.
+    -> (w, u or None, k_gated or None, q_gated or None)."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if with_u else None
+    gated = q is not None and gk_cum is not None
+    k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if gated else None
+    q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if gated else None
     cfg = plan.launch("recompute_wu")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
-           k, v, beta, g_cum, gk_cum, ai, w, u, chunk_map, cu, T,
+           k, v, beta, g_cum, gk_cum, ai, w, u, q if gated else None, q_gated, k_gated, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
            IS_VARLEN=layout.is_varlen, STORE_U=with_u, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return w, u
+    return w, u, k_gated, q_gated
