@@ -583,3 +583,40 @@ def test_write_lines_names_the_report_by_device_and_date(tmp_path):
     name = path.rsplit("/", 1)[-1]
     assert name.startswith("gdn-kernels-") and name.endswith(f"-{datetime.date.today():%Y%m%d}.txt")
     assert " " not in name and open(path).read() == "a\nb\n"
+
+
+def test_op_sides_are_timed_in_alternating_rounds():
+    """_time_in_rounds: each round times every side in turn (the backward on a graph built for
+    it), medians the rounds, derives a backward that cannot run twice and drops a failing side."""
+    order = []
+
+    def timer(fn):
+        return fn()
+
+    def side(name, fwd_ms, bwd=None, fwd_error=None):
+        def fwd():
+            order.append((name, "fwd"))
+            if fwd_error is not None:
+                raise fwd_error
+            return fwd_ms
+
+        def make_bwd():
+            order.append((name, "graph"))
+            return bwd or (lambda: 1.0)
+        return {"fwd": fwd, "fwd+bwd": lambda: fwd_ms + 2.0, "bwd": make_bwd}
+
+    def result():
+        return gdn.OpResult(float("nan"), float("nan"), float("nan"), [], [], 0.0)
+
+    def frees():
+        raise RuntimeError("Trying to backward through the graph a second time")
+    sides = {"ours": side("ours", 1.0), "FLA": side("FLA", 3.0, bwd=frees),
+             "FlashQLA": side("FlashQLA", 2.0, fwd_error=ValueError("no path"))}
+    results = {who: result() for who in sides}
+    failed = gdn._time_in_rounds(sides, results, timer, 2)
+    assert list(failed) == ["FlashQLA"] and isinstance(failed["FlashQLA"], ValueError)
+    assert [who for who, step in order if step == "fwd"] == ["ours", "FLA", "FlashQLA", "ours", "FLA"]
+    assert (results["ours"].fwd_ms, results["ours"].bwd_ms, results["ours"].fwdbwd_ms) == (1.0, 1.0, 3.0)
+    assert results["FLA"].bwd_ms == 2.0 and results["FLA"].note == "bwd = (fwd+bwd) - fwd"
+    with pytest.raises(ValueError, match="rounds"):
+        gdn._time_in_rounds(sides, results, timer, 0)

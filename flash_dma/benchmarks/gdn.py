@@ -681,7 +681,8 @@ class OpResult:
 
 def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
     """One side's first call (timed, with its outputs and gradients) and peak memory: -> (its
-    steps to time, {"fwd", "fwd+bwd", "bwd"}: callables; an OpResult without times yet)."""
+    steps to time, {"fwd", "fwd+bwd": callables; "bwd": a callable that builds a fresh graph and
+    returns the backward to time on it}; an OpResult without times yet)."""
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     h0 = x["h0"].detach().clone().requires_grad_() if case.states else None
     if h0 is not None:
@@ -700,7 +701,7 @@ def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
     t0 = time.perf_counter()
     out = fwd()
     outs, douts = targets(out)
-    grads = torch.autograd.grad(outs, leaves, douts, retain_graph=True)
+    grads = torch.autograd.grad(outs, leaves, douts)
     _sync(device)
     first = time.perf_counter() - t0
 
@@ -708,18 +709,32 @@ def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
         o, d = targets(fwd())
         return torch.autograd.grad(o, leaves, d)
     peak = _peak_mib(fwd_bwd, device)
-    steps = {"fwd": fwd, "fwd+bwd": fwd_bwd,
-             "bwd": lambda: torch.autograd.grad(outs, leaves, douts, retain_graph=True)}
+
+    def backward_on_a_fresh_graph():
+        o, d = targets(fwd())
+        return lambda: torch.autograd.grad(o, leaves, d, retain_graph=True)
+    steps = {"fwd": fwd, "fwd+bwd": fwd_bwd, "bwd": backward_on_a_fresh_graph}
     return steps, OpResult(math.nan, math.nan, math.nan, [t.detach() if t is not None else None for t in out],
                            [gr.detach() for gr in grads], first, "", peak)
+
+
+def _frees_what_it_saved(exc: Exception) -> bool:
+    """A backward's RuntimeError on a second call over one graph, not an out-of-memory or CUDA
+    error (those are failures of the side)."""
+    return (isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError)
+            and "CUDA error" not in str(exc))
 
 
 def _time_in_rounds(sides: dict[str, dict], results: dict[str, OpResult], timer: Timer,
                     rounds: int) -> dict[str, Exception]:
     """Times every side's steps in alternating rounds and stores the median of each step's round
-    times in results, so that a drift of the machine during a case falls on every side alike. A
-    backward that frees what it saved (RuntimeError on its second call) is derived, (fwd+bwd) -
-    fwd. -> {side: its exception} for the sides that failed (dropped from the later rounds)."""
+    times in results, so that a drift of the machine during a case falls on every side alike. The
+    backward alone is timed on a graph built for it, freed before the next step (one side's graph
+    at a time). A backward that frees what it saved (a RuntimeError on its second call, not out of
+    memory or a CUDA error) is derived, (fwd+bwd) - fwd. -> {side: its exception} for the sides
+    that failed (dropped from the later rounds)."""
+    if rounds < 1:
+        raise ValueError(f"rounds: at least 1, got {rounds}")
     times = {who: {step: [] for step in steps} for who, steps in sides.items()}
     failed: dict[str, Exception] = {}
     for _ in range(rounds):
@@ -727,13 +742,17 @@ def _time_in_rounds(sides: dict[str, dict], results: dict[str, OpResult], timer:
             for step, run in steps.items():
                 if who in failed or times[who][step] is None:
                     continue
+                timed = None
                 try:
-                    times[who][step].append(timer(run))
+                    timed = run() if step == "bwd" else run
+                    times[who][step].append(timer(timed))
                 except Exception as exc:  # noqa: BLE001 - one failing side is a result
-                    if step == "bwd" and isinstance(exc, RuntimeError):
+                    if step == "bwd" and _frees_what_it_saved(exc):
                         times[who][step] = None
                     else:
                         failed[who] = exc
+                finally:
+                    del timed
     for who, by_step in times.items():
         if who in failed:
             continue
@@ -797,14 +816,14 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
             continue
         try:
             steps[who], res[who] = _op_steps(fn, case, x, device)
-            if firsts is not None:
-                firsts[(who, case.label)] = (case.label, res[who].first_s)
         except Exception as exc:  # noqa: BLE001 - one failing configuration is a result
             msgs[who].append(_refusal(who, exc))
     for who, exc in _time_in_rounds(steps, res, timer, rounds).items():
         msgs[who].append(_refusal(who, exc))
         res[who] = None
     del steps
+    if firsts is not None:
+        firsts.update({(who, case.label): (case.label, r.first_s) for who, r in res.items() if r is not None})
     o = res["ours"]
     line = peak_memory_note(case.label, res)
     if line:

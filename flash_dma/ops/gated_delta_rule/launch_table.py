@@ -166,17 +166,15 @@ def _recompute_tiles_whole(K: int, V: int) -> bool:
 
 def keeps_inverse(K: int, V: int, has_gk: bool) -> bool:
     """Whether the backward recomputes w, u from the forward's T and scalar gate cumsums (else
-    prepare runs again, or with gk see keeps_gated_pairs). Not with gk: its w also needs the
-    per-key cumsums, [B, T, HV, K] in fp32, which cost more to keep than to form again (the
-    backward forms them with the gated q and k it needs anyway)."""
+    prepare runs again). With gk see keeps_gated_pairs instead."""
     return not has_gk and _recompute_tiles_whole(K, V)
 
 
 def keeps_gated_pairs(K: int, V: int, has_gk: bool) -> bool:
-    """With gk, whether the forward keeps T and the gated query-key products for the backward
-    (FLA's chunk_kda keeps its gate cumsums and both products): the backward then forms only
-    the gate cumsums, the gated q and k, and w, u from T again, not the pair products and the
-    inverse."""
+    """With gk, whether the forward keeps T, the gated query-key products and the gate cumsums
+    (in place of gk) for the backward, as FLA's chunk_kda keeps its gate cumsums and both
+    products: the backward then forms only w, u and the gated q and k again, not the cumsums,
+    the pair products and the inverse."""
     return has_gk and _recompute_tiles_whole(K, V)
 
 

@@ -98,7 +98,7 @@ class DeltaRulePlan:
     per_key_gate: bool  # gk given
     inverse_precision: str  # products of the blockwise inverse: "ieee" or "tf32"
     keep_inverse: bool  # the forward keeps T and the gate cumsums; the backward recomputes from them
-    keep_gated_pairs: bool  # with gk: the forward keeps T and the gated query-key products
+    keep_gated_pairs: bool  # with gk: the forward keeps T, the gated query-key products and the gate cumsums
     split_prepare: Chosen  # bool
     states_from_inverse: Chosen  # bool, forward
     backward_states_from_inverse: Chosen  # bool
