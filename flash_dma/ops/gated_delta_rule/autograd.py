@@ -43,7 +43,7 @@ def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, sca
     ai = ops.wy_prepare.inverse_buffer(k, v.shape[2], gk is not None)
     g_cum = gk_cum = aqk = k_gated = q_gated = None
     if gk is not None:
-        # the gate cumsums and the gated pair products (kernels of their own) come first; the
+        # the gate cumsums and the gated pair products (a kernel of their own) come first; the
         # prepare program then only inverts and forms w, u (all in one program it spilled)
         g_cum, gk_cum, k_gated, q_gated, aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g, gk, ai, scale,
                                                                           store_q_gated)
@@ -88,14 +88,10 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the
     # gate cumsums (kept in place of gk itself: the backward needs only them).
-    if not (plan.keep_inverse or plan.keep_gated_pairs):
-        g_cum = None
-    if not plan.keep_gated_pairs:
-        gk_cum = None
     if not plan.keeps_t:
-        ai = None
+        g_cum = ai = None
     if not plan.keep_gated_pairs:
-        aqk = None
+        gk_cum = aqk = None
     return o, final, g_cum, gk_cum, ai, aqk, segments
 
 

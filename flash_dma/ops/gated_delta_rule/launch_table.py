@@ -38,6 +38,7 @@ PASSES = ("gated_pairs", "gated_pair_blocks", "prepare", "prepare_t", "prepare_g
 # The gated pairs' blockwise kernels run on their whole-chunk kernel's grid and K tiles: only
 # their warps and stages are their own.
 BLOCKWISE_PARENT = {"gated_pair_blocks": "gated_pairs", "pair_grad_blocks": "pair_grad"}
+BLOCKWISE_OF = {parent: blocks for blocks, parent in BLOCKWISE_PARENT.items()}
 for _name in PASSES:
     declare_choice(f"gdn_{_name}", None, (),
                    f"launch configuration (GdnConfig) of the gated delta rule's {_name} pass")

@@ -123,7 +123,7 @@ class DeltaRulePlan:
     @property
     def keeps_t(self) -> bool:
         """Whether the forward keeps T for the backward (with the scalar gate's cumsums, or with
-        gk the gated pair products)."""
+        gk the gated pair products and the gate cumsums)."""
         return self.keep_inverse or self.keep_gated_pairs
 
     def fused_forward_form(self) -> int | str | None:

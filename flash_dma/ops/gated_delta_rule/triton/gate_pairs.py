@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
+from .. import launch_table
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
@@ -347,6 +348,16 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
+def _whole_chunk_then_blocks(plan, pass_name: str, kernels: tuple, grid: tuple, *args, **constants):
+    """Launches a pass's whole-chunk kernel, then its blockwise kernel on the same grid and K
+    tiles (the whole-chunk entry's BK) with its own warps and stages. -> the whole-chunk entry."""
+    cfg = plan.launch(pass_name)
+    for kernel, own in zip(kernels, (cfg, plan.launch(launch_table.BLOCKWISE_OF[pass_name]))):
+        launch(kernel, grid, *args, BK=cfg.block_k, **constants, num_warps=own.num_warps,
+               num_stages=own.num_stages)
+    return cfg
+
+
 def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):
     """With gk: the gate cumsums and gated k (q with store_q_gated), and the gated key-key products into
     a_raw (prepare inverts them there) and the query-key products P.
@@ -355,17 +366,13 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, sto
     HV = gk.shape[2]
     g_cum, gk_cum, k_gated, q_gated = gate_buffers(q, k, g, gk, store_q_gated)
     aqk = torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=torch.float32)
-    cfg = plan.launch("gated_pairs")
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    # the blockwise kernel: the same grid and K tiles, its own warps and stages
-    for kernel, own in ((gdn_gated_pairs_kernel, cfg),
-                        (gdn_gated_pair_blocks_kernel, plan.launch("gated_pair_blocks"))):
-        launch(kernel, grid,
-               q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks, chunk_map, cu, T, scale,
-               H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
-               IS_VARLEN=layout.is_varlen, num_warps=own.num_warps, num_stages=own.num_stages)
+    _whole_chunk_then_blocks(plan, "gated_pairs", (gdn_gated_pairs_kernel, gdn_gated_pair_blocks_kernel), grid,
+                             q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks, chunk_map, cu,
+                             T, scale, H=H, HV=HV, K=K, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
+                             IS_VARLEN=layout.is_varlen)
     return g_cum, gk_cum, k_gated, q_gated, aqk
 
 
@@ -377,19 +384,16 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     sums land in the fp32 dq, dk."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
-    cfg = plan.launch("pair_grad")
-    k_tiles = ceil_div(K, cfg.block_k)
+    k_tiles = ceil_div(K, plan.launch("pair_grad").block_k)
     dbeta_parts = torch.empty(k_tiles, B, T, HV, device=k.device, dtype=torch.float32)
     dq_out = torch.empty_like(q) if final_dtype else None
     dk_out = torch.empty_like(k) if final_dtype else None
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    for kernel, own in ((gdn_gated_pair_grad_kernel, cfg),
-                        (gdn_gated_pair_grad_blocks_kernel, plan.launch("pair_grad_blocks"))):
-        launch(kernel, grid,
-               q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out, needs_blocks,
-               chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K, BK=cfg.block_k, HAS_G=g_cum is not None,
-               IS_VARLEN=layout.is_varlen, num_warps=own.num_warps, num_stages=own.num_stages)
+    _whole_chunk_then_blocks(plan, "pair_grad", (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel),
+                             grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out,
+                             needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
+                             HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
     dbeta += dbeta_parts.sum(0)
     return (dq_out, dk_out) if final_dtype else None

@@ -70,16 +70,21 @@ def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
+def gated_qk_buffers(q, k, HV: int, store_q_gated: bool):
+    """The gated k and (store_q_gated) q of the state passes, per value head: (k_gated, q_gated
+    or None)."""
+    B, T, _, K = k.shape
+    k_gated = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
+    q_gated = torch.empty(B, T, HV, K, device=q.device, dtype=q.dtype) if store_q_gated else None
+    return k_gated, q_gated
+
+
 def gate_buffers(q, k, g, gk, store_q_gated: bool):
     """The outputs of the gate pass: (g_cum or None without g, gk_cum, k_gated, q_gated or None)."""
-    B, T, H, K = k.shape
-    HV = gk.shape[2]
-    dev = k.device
-    g_cum = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if g is not None else None
-    gk_cum = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
-    k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
-    q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if store_q_gated else None
-    return g_cum, gk_cum, k_gated, q_gated
+    B, T, HV, K = gk.shape
+    g_cum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32) if g is not None else None
+    gk_cum = torch.empty(B, T, HV, K, device=k.device, dtype=torch.float32)
+    return (g_cum, gk_cum, *gated_qk_buffers(q, k, HV, store_q_gated))
 
 
 def gate_gradients(plan, layout: ChunkLayout, db, dg):

@@ -11,7 +11,7 @@ from .common import (
     CHUNK, SUB, chunk_args, chunk_inverse, chunk_program, decay_factor, load_square_block, load_tile, load_vec,
     scalar_gamma, square_ptrs, store_tile, store_vec
 )
-from .key_gates import store_gated_qk
+from .key_gates import gated_qk_buffers, store_gated_qk
 
 
 @triton.jit
@@ -339,8 +339,7 @@ def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool 
     w = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype) if with_u else None
     gated = q is not None and gk_cum is not None
-    k_gated = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype) if gated else None
-    q_gated = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if gated else None
+    k_gated, q_gated = gated_qk_buffers(q, k, HV, True) if gated else (None, None)
     cfg = plan.launch("recompute_wu")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
