@@ -128,15 +128,14 @@ def gdn_gated_pairs_kernel(q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, 
     misfits = tl.zeros([BK], dtype=tl.int32)
     for k_start in range(0, K, BK):  # optimistic: the products are kept only if every key fits
         cols = k_start + tl.arange(0, BK)
-        gate, k_rows = key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
-                                     H, HV, K, STORE_Q_GATED)
+        gate, k_rows, q_rows = key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols,
+                                             n_valid, H, HV, K, STORE_Q_GATED)
         if HAS_G:
             gate += g_rows[:, None]
         ref, key_fits = chunk_reference(gate, valid)
         misfits += (key_fits == 0).to(tl.int32)
         if tl.sum(misfits, axis=0) == 0:  # once a key does not fit, the products are not kept
             left, right = chunk_factors(gate, ref, valid[:, None])
-            q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
             right = k_rows * right
             acc_a += tl.dot(k_rows * left, tl.trans(right))
             acc_p += tl.dot(q_rows * left, tl.trans(right))

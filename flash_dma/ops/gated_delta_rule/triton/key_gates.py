@@ -22,15 +22,14 @@ def scalar_gate_cumsum(g, g_cum, tok0, rows, hv, HV: tl.constexpr, n_valid):
 
 
 @triton.jit
-def store_gated_qk(key_cum, k_rows, q, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
+def store_gated_qk(key_cum, k_rows, q_rows, q_gated, k_gated, tok0, rows, hv, cols, n_valid,
+                   HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
     """The gated k and q of the state passes for one [64, BK] tile, per value head in k's dtype:
     k e^(C_last - C) to k_gated and (STORE_Q_GATED) q e^C to q_gated, C the per-key cumsum alone
-    (key_cum, fp32) and k_rows the k tile in fp32."""
+    (key_cum, fp32), k_rows and q_rows the k and q tiles in fp32."""
     decay_to_end = tl.exp(last_row_of(key_cum, n_valid)[None, :] - key_cum)
     store_tile(k_gated, k_rows * decay_to_end, tok0, rows, HV, hv, K, cols, n_valid)
     if STORE_Q_GATED:
-        q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
         store_tile(q_gated, q_rows * tl.exp(key_cum), tok0, rows, HV, hv, K, cols, n_valid)
 
 
@@ -38,14 +37,14 @@ def store_gated_qk(key_cum, k_rows, q, q_gated, k_gated, tok0, rows, hv, head, c
 def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, STORE_Q_GATED: tl.constexpr):
     """One [64, BK] tile of the per-key gate: its chunk-local cumsum C (fp32), stored to gk_cum,
-    and the gated k (and q) of store_gated_qk. -> (C, the k tile in fp32); rows past n_valid of C
-    repeat the last valid row."""
+    and the gated k (and q) of store_gated_qk. -> (C, the k and q tiles in fp32); rows past
+    n_valid of C repeat the last valid row."""
     key_cum = tl.cumsum(load_tile(gk, tok0, rows, HV, hv, K, cols, n_valid).to(tl.float32), 0)
     store_tile(gk_cum, key_cum, tok0, rows, HV, hv, K, cols, n_valid)
     k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
-    store_gated_qk(key_cum, k_rows, q, q_gated, k_gated, tok0, rows, hv, head, cols, n_valid, H, HV, K,
-                   STORE_Q_GATED)
-    return key_cum, k_rows
+    q_rows = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    store_gated_qk(key_cum, k_rows, q_rows, q_gated, k_gated, tok0, rows, hv, cols, n_valid, HV, K, STORE_Q_GATED)
+    return key_cum, k_rows, q_rows
 
 
 @triton.jit(do_not_specialize=["T"])

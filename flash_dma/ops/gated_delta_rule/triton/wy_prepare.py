@@ -263,8 +263,9 @@ def _t_times_scaled_rows(tmat, row_scale, src, src_heads, src_head, dst, dst_hea
             gate_tile = load_tile(key_gate, tok0, rows, HV, hv, D, cols, n_valid)
             x = x * tl.exp(gate_tile + row_log[:, None])
             if k_gated is not None:
-                store_gated_qk(gate_tile, src_tile.to(tl.float32), q, q_gated, k_gated, tok0, rows, hv, src_head,
-                               cols, n_valid, src_heads, HV, D, True)
+                q_tile = load_tile(q, tok0, rows, src_heads, src_head, D, cols, n_valid).to(tl.float32)
+                store_gated_qk(gate_tile, src_tile.to(tl.float32), q_tile, q_gated, k_gated, tok0, rows, hv, cols,
+                               n_valid, HV, D, True)
         store_tile(dst, tl.dot(t_dt, x.to(dt)), tok0, rows, dst_heads, dst_head, D, cols, n_valid)
 
 
