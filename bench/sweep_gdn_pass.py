@@ -9,9 +9,9 @@ A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk inste
 Per shape: the passes the call launches (the plan's choices), then its do_bench median under
 each candidate configuration of the swept pass (the plan's own first; tune.candidates_for, plus
 all of K for pair_grad; for the sequential state passes V tiles of 16-64 with 2-8 warps and 2-3
-stages), each checked against the plan's output and gradients (a candidate that differs is
-reported, never timed). The table's defaults change only on evidence from both Hopper cards;
-`flash-dma tune gdn` stores a card's own winners. Writes DIR/<pass>-sweep-<device>-<date>.txt.
+stages, at K = 256 16-32 with 4-8 warps and 2 stages), each checked against the plan's output
+and gradients (a candidate that differs is reported, never timed). The table's defaults change
+only on evidence from both Hopper cards; `flash-dma tune gdn` stores a card's own winners. Writes DIR/<pass>-sweep-<device>-<date>.txt.
 """
 import argparse
 import datetime
@@ -28,8 +28,18 @@ from flash_dma import chunk_gated_delta_rule  # noqa: E402
 from flash_dma.ops.gated_delta_rule import launch_table, tune  # noqa: E402
 from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
 from flash_dma.runtime import config  # noqa: E402
+from flash_dma.runtime.config import head_dim_block  # noqa: E402
 
-SEQUENTIAL_CANDIDATES = [GdnConfig(128, bv, w, s) for bv, w, s in itertools.product((16, 32, 64), (2, 4, 8), (2, 3))]
+
+
+def sequential_candidates(K: int) -> list[GdnConfig]:
+    """V tiles, warps and stages of the state passes; all of K in one tile. At K = 256 three
+    stages overflow shared memory, and one stage of fwd_h or bwd_dhu made an illegal address
+    (Triton 3.6, H200), which ends the process: two stages, 16- or 32-wide tiles."""
+    kp = head_dim_block(K)
+    if kp > 128:
+        return [GdnConfig(kp, bv, w, 2) for bv, w in itertools.product((16, 32), (4, 8))]
+    return [GdnConfig(kp, bv, w, s) for bv, w, s in itertools.product((16, 32, 64), (2, 4, 8), (2, 3))]
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
@@ -57,7 +67,7 @@ def inputs(B, T, H, K=128, per_key=False, seed=0):
 
 def candidates(pass_name: str, K: int) -> list[GdnConfig]:
     if pass_name in launch_table.SEQUENTIAL:
-        return SEQUENTIAL_CANDIDATES
+        return sequential_candidates(K)
     out = tune.candidates_for(pass_name, K, K, quick=False)
     if pass_name == "pair_grad" and K > 64:  # one K tile of all of K: the gates loaded once
         out += [GdnConfig(K, 16, w, s) for w, s in itertools.product((4, 8), (1, 2))]

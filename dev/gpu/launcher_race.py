@@ -1,18 +1,22 @@
 """Builds Triton launchers (the C modules Triton loads as "__triton_launcher") for kernels of 1 to
-24 pointer arguments in 16 parallel threads, on an empty cache, and checks that each loaded
-module's launch takes its own arity (a launcher of another kernel raises "function takes exactly
-N arguments"). Needs a CUDA machine (the launchers link libcuda).
+24 pointer arguments in 16 parallel threads and checks that each loaded module's launch takes its
+own arity (a launcher of another kernel raises "function takes exactly N arguments"). Needs a
+CUDA machine (the launchers link libcuda).
 
-    python dev/gpu/launcher_race.py [lock]     # lock: module loads one at a time
+    python dev/gpu/launcher_race.py [lock]          # empty cache: builds and loads overlap
+    python dev/gpu/launcher_race.py warm [lock] [N] # builds once, then N fresh processes each
+                                                    # load all 24 from the warm cache at once
+lock: module loads one at a time.
 """
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())
 
 import triton.runtime.build as build  # noqa: E402
 from triton.backends.nvidia import driver as nv  # noqa: E402
@@ -33,8 +37,7 @@ def build_one(n: int):
     return n, None
 
 
-def main():
-    locked = sys.argv[1:] == ["lock"]
+def load_all(locked: bool) -> list:
     if locked:
         real, lock = build._load_module_from_path, threading.Lock()
 
@@ -42,10 +45,39 @@ def main():
             with lock:
                 return real(name, path)
         build._load_module_from_path = load
+    barrier = threading.Barrier(16)
+
+    def at_once(n):
+        if n <= 16:
+            barrier.wait()
+        return build_one(n)
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(build_one, range(1, 25)))
-    wrong = [(n, arity) for n, arity in results if arity != n + FIXED_ARGS]
-    print(f"{'locked' if locked else 'parallel'} loads: {len(results)} launchers, wrong arity: {wrong or 'none'}")
+        results = list(pool.map(at_once, range(1, 25)))
+    return [(n, arity) for n, arity in results if arity != n + FIXED_ARGS]
+
+
+def main():
+    args = sys.argv[1:]
+    locked = "lock" in args
+    label = "locked" if locked else "parallel"
+    if "child" in args:
+        print(len(load_all(locked)))
+        return
+    if "warm" not in args:
+        wrong = load_all(locked)
+        print(f"{label} loads, empty cache: 24 launchers, wrong arity: {wrong or 'none'}")
+        return
+    rounds = int(next((a for a in args if a.isdigit()), "40"))
+    for n in range(1, 25):  # warm the cache in this process, one at a time
+        build_one(n)
+    child = [sys.executable, __file__, "child"] + (["lock"] if locked else [])
+    bad = 0
+    for _ in range(rounds):
+        out = subprocess.run(child, capture_output=True, text=True, env=os.environ)
+        bad += int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+        if out.returncode != 0:
+            print(out.stderr[-500:])
+    print(f"{label} loads, warm cache: {rounds} processes x 24 launchers, wrong arity: {bad}")
 
 
 if __name__ == "__main__":
