@@ -181,6 +181,10 @@ def test_op_plan_covers_the_issue():
         gdn.OpCase(2, 64, 2, strong_decay=True)
     with pytest.raises(ValueError, match="strong_decay"):
         gdn.OpCase(2, 64, 2, per_key_gate=True, strong_decay=True, slow_decay=True)
+    with pytest.raises(ValueError, match="keep_states"):
+        gdn.OpCase(2, 64, 2, keep_states=True)
+    kept = [c for c in gdn.op_plan(quick=False) if c.keep_states]
+    assert [c.label for c in kept] == ["B2 T4096 H16 KDA no-recompute"]
 
 
 def test_strong_decay_case_takes_the_blockwise_gated_pairs():

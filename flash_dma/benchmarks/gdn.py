@@ -17,6 +17,7 @@ run on the CPU, so the tests check them without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -159,8 +160,13 @@ class OpCase:
     # pairs take 16-row blocks there; FLA's chunk_kda does whatever the gate)
     strong_decay: bool = False
     seqlens: tuple[int, ...] | None = None  # packed sequences (B == 1, sum == T), given as cu_seqlens
+    # With per_key_gate: both sides keep the forward's states for the backward
+    # (disable_recompute=True; FLA's chunk_gated_delta_rule has no such option)
+    keep_states: bool = False
 
     def __post_init__(self):
+        if self.keep_states and not self.per_key_gate:
+            raise ValueError("OpCase: keep_states is FLA chunk_kda's disable_recompute: it needs per_key_gate")
         if self.strong_decay and (not self.per_key_gate or self.slow_decay):
             raise ValueError("OpCase: strong_decay is a per-key (KDA) gate: it needs per_key_gate and not slow_decay")
         if self.seqlens is not None and (self.B != 1 or sum(self.seqlens) != self.T):
@@ -173,7 +179,7 @@ class OpCase:
         packed = f"varlen N{len(self.seqlens)} " if self.seqlens is not None else ""
         return (f"{packed}B{self.B} T{self.T} H{self.H}{dims}{' KDA' if self.per_key_gate else ''}"
                 f"{' h0+ht' if self.states else ''}{' slow-decay' if self.slow_decay else ''}"
-                f"{' strong-decay' if self.strong_decay else ''}")
+                f"{' strong-decay' if self.strong_decay else ''}{' no-recompute' if self.keep_states else ''}")
 
     @property
     def family(self) -> tuple:
@@ -187,6 +193,7 @@ def op_plan(quick: bool, cases: Sequence[str] | None = None) -> list[OpCase]:
     full = [OpCase(4, 4096, 16), OpCase(1, 8192, 16), OpCase(1, 32768, 16), OpCase(8, 4096, 32),
             OpCase(2, 8192, 8, 256, 256), OpCase(1, 8192, 16, states=True),
             OpCase(2, 4096, 16, per_key_gate=True), OpCase(2, 4096, 16, per_key_gate=True, strong_decay=True),
+            OpCase(2, 4096, 16, per_key_gate=True, keep_states=True),
             OpCase(1, 32768, 16, slow_decay=True),
             # the issue's packed batch: 20-25 sequences (seeded lengths) filling T = 32768
             OpCase(1, 32768, 16, seqlens=varlen_lengths(32768, VARLEN_SEED))]
@@ -808,6 +815,10 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
         msgs[QLA_PEER] = [no_path] if no_path else []
     if case.per_key_gate and ours is not None:
         ours = with_per_key_gate(ours)
+    if case.keep_states:
+        ours = None if ours is None else functools.partial(ours, disable_recompute=True)
+        peers = {who: (name, None if fn is None else functools.partial(fn, disable_recompute=True))
+                 for who, (name, fn) in peers.items()}
     res: dict[str, OpResult | None] = {}
     steps = {}
     for who, fn in (("ours", ours), *((who, fn) for who, (_, fn) in peers.items())):

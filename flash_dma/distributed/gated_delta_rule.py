@@ -226,7 +226,7 @@ class _ContextParallelDeltaRule(torch.autograd.Function):
         layout = chunk_layout(1, q.shape[1], cu_seqlens)
         plan = plan_context_parallel(q, v, g is not None, gk is not None, layout, exchange.forward_join, None)
         with device_guard(q.device):
-            o, finals, g_cum, gk_cum, ai, aqk, (seg_starts, seg_transitions, seg_reach) = op_forward(
+            o, finals, g_cum, gk_cum, ai, aqk, (seg_starts, seg_transitions, seg_reach), _ = op_forward(
                 plan, layout, q, k, v, g, gk, beta, scale, piece_initial, True)
             layout.zero_rows_outside(o)
         # the backward recomputes the states from the segments' starts (no exchange)

@@ -5,8 +5,8 @@ full, the state pass forms the WY products from T itself. On SM90, where enough 
 the states and the output are one fused kernel (gluon/) that writes neither the per-chunk
 states nor v_new. The backward keeps about what FLA keeps (the inputs, the scalar gate's
 cumsums and the per-chunk inverse T; with the per-key gate T, the gated query-key products and
-the gate cumsums in place of gk; no per-chunk states): it recomputes w, u and the states (with
-gk the gated q and k too), then
+the gate cumsums in place of gk; no per-chunk states unless disable_recompute asks for them):
+it recomputes w, u and the states (with gk the gated q and k too), then
 runs the state-gradient pass (bwd_dhu) and the chunk-parallel gradient passes. Which way each
 step goes is the call's plan (plan.py); the kernels are the plan's backend's (one module per
 pass).
@@ -21,6 +21,7 @@ import torch
 from ...runtime.autograd import first_order_only
 from ...runtime.hardware import device_guard, graph_capturing
 from ...runtime.launch import compile_ahead, compile_ahead_enabled
+from ...runtime.profile import log_fallback
 from .checks import check_bwd_dhu_inputs
 from .layout import CHUNK, ChunkLayout, as_rows, chunk_layout, total_chunks
 from .plan import DeltaRulePlan, plan_bwd_dhu, plan_call
@@ -60,10 +61,12 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
-            output_final_state: bool):
+            output_final_state: bool, keep_states: bool = False):
     """-> (o, final state or None, g_cum, gk_cum, T and the gated query-key products where the
     backward reuses them, else None, segments: (starts, transitions, backward reach or None) of
-    a sequence split of the state pass, else None)."""
+    a sequence split of the state pass, else None, states: (h, v_new) where keep_states asks for
+    them and the forward writes them (the Triton state pass; the fused SM90 forward writes
+    neither), else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -74,7 +77,11 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                         store_wu=not split and fused is None,
                                                         decay_bound=decay_bound)
+    states = None
     if fused is not None:
+        if keep_states:
+            log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
+                         "the backward's recompute", "the fused SM90 forward writes no per-chunk states")
         o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
                                             output_final_state, scale, fused, decay_bound)
     else:
@@ -85,6 +92,9 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
                                                           output_final_state, decay_bound=decay_bound)
         del w, u, k_gated
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
+        if keep_states:
+            states = (h, v_new)
+        del h, v_new
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the
     # gate cumsums (kept in place of gk itself: the backward needs only them).
@@ -92,7 +102,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
         g_cum = ai = None
     if not plan.keep_gated_pairs:
         gk_cum = aqk = None
-    return o, final, g_cum, gk_cum, ai, aqk, segments
+    return o, final, g_cum, gk_cum, ai, aqk, segments, states
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,
@@ -120,11 +130,12 @@ def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, 
 
 
 def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state, do, dht,
-             g_cum, ai, aqk=None, segments=None, gk_cum=None):
+             g_cum, ai, aqk=None, segments=None, gk_cum=None, states=None):
     """g_cum, ai, aqk and gk_cum: the forward's gate cumsums, T and (gk) gated query-key products
     and per-key gate cumsums, or None where it keeps them not (gk itself is needed only then);
     segments: the forward's (starts, transitions, backward reach or None) of its sequence split,
-    or None (recomputed)."""
+    or None (recomputed); states: the forward's (h, v_new) (disable_recompute), or None
+    (recomputed: the state pass runs again)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
@@ -137,19 +148,23 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
     elif gk_cum is not None:  # T, the gated pair products and the gate cumsums kept: w, u and the gated q, k
-        w, u, k_gated, q_gated = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai, gk_cum=gk_cum,
-                                                             q=q)
+        w, u, k_gated, q_gated = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
+                                                             with_u=states is None, gk_cum=gk_cum, q=q)
     elif ((warp_roles or dhu_warp_roles) and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
         # the state pass forms v_new from T and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None
         w, u, _, _ = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
-                                                 with_u=not plan.backward_states_from_inverse.value)
+                                                 with_u=states is None and not plan.backward_states_from_inverse.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
-    # u None: the state pass forms v_new from T (w is still bwd_dhu's)
-    h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai, None if u is None else w, u,
-                                                  g_cum, gk_cum, initial_state, store_final=False, known=segments)
+    if states is not None:  # kept by the forward (disable_recompute)
+        h, v_new = states
+    else:  # u None: the state pass forms v_new from T (w is still bwd_dhu's)
+        h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai,
+                                                      None if u is None else w, u, g_cum, gk_cum, initial_state,
+                                                      store_final=False, known=segments)
+    del states
     if warp_roles:
         from .gluon.backward_ws import bwd_sequential
         del w, u
@@ -210,27 +225,28 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     return dq, dk, dv, dg, dgk, dbeta, dh0
 
 
-def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: bool, cu_seqlens):
+def run_forward(q, k, v, g, gk, beta, scale, initial_state, output_final_state: bool, cu_seqlens,
+                keep_states: bool = False):
     """The forward of one call, planned: -> (o, final state or None, g_cum, gk_cum, ai, aqk,
-    segments, layout, plan), g_cum, gk_cum, ai and aqk as forward() keeps them for the backward.
-    Shared with the custom ops (custom_op.py)."""
+    segments, states, layout, plan), g_cum, gk_cum, ai, aqk and states as forward() keeps them
+    for the backward. Shared with the custom ops (custom_op.py)."""
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens)
     plan = plan_call(q, v, g is not None, gk is not None, layout)
-    o, final, g_cum, gk_cum, ai, aqk, segments = forward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                         output_final_state)
+    o, final, g_cum, gk_cum, ai, aqk, segments, states = forward(plan, layout, q, k, v, g, gk, beta, scale,
+                                                                 initial_state, output_final_state, keep_states)
     layout.zero_rows_outside(o)
-    return o, final, g_cum, gk_cum, ai, aqk, segments, layout, plan
+    return o, final, g_cum, gk_cum, ai, aqk, segments, states, layout, plan
 
 
 def run_backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scale, initial_state,
-                 g_cum, ai, aqk, do, dht, segments=None, gk_cum=None):
+                 g_cum, ai, aqk, do, dht, segments=None, gk_cum=None, states=None):
     """-> (dq, dk, dv, dg, dgk, dbeta in beta's dtype, dh0); dg, dgk, dh0 None where absent."""
     do = as_rows(do)
     dht = None if dht is None else dht.float().contiguous()
     with device_guard(q.device):
         dq, dk, dv, dg, dgk, dbeta, dh0 = backward(plan, layout, q, k, v, g, gk, beta, scale, initial_state,
-                                                   do, dht, g_cum, ai, aqk, segments, gk_cum)
+                                                   do, dht, g_cum, ai, aqk, segments, gk_cum, states)
         layout.zero_rows_outside(dq, dk, dv, dg, dgk, dbeta)
     return dq, dk, dv, dg, dgk, dbeta.to(beta.dtype), dh0
 
@@ -269,24 +285,28 @@ def kept_gate(gk, gk_cum, *others):
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens):
-        o, final, g_cum, gk_cum, ai, aqk, segments, layout, plan = run_forward(
-            q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens)
+    def forward(ctx, q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens,
+                disable_recompute=False):
+        o, final, g_cum, gk_cum, ai, aqk, segments, states, layout, plan = run_forward(
+            q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, disable_recompute)
         seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
+        h, v_new = states if states is not None else (None, None)
         ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, initial_state), beta,
-                              initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach)
+                              initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach,
+                              h, v_new)
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
         (q, k, v, g, gk, beta, initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions,
-         seg_reach) = ctx.saved_tensors
+         seg_reach, h, v_new) = ctx.saved_tensors
         segments = None if seg_starts is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
-                                                       initial_state, g_cum, ai, aqk, do, dht, segments, gk_cum)
+                                                       initial_state, g_cum, ai, aqk, do, dht, segments, gk_cum,
+                                                       None if h is None else (h, v_new))
         return first_order_only("chunk_gated_delta_rule",
-                                (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None),
+                                (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None, None),
                                 (q, k, v, g, gk, beta, initial_state))
 
 
@@ -300,7 +320,7 @@ _COMPILED_AHEAD: set = set()
 _CHECKED_CALLS: set = set()
 
 
-def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
+def compile_ahead_of_first_call(args: tuple, backward: bool, keep_states: bool = False) -> None:
     """On the first call with a new set of compile-time constants (dtypes, heads, head dims,
     gates, states, layout), compile the kernels that this call's forward (and backward) will
     launch, in parallel, before running it: a dry run of both in which every launch only hands
@@ -310,7 +330,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens = args
     call = (q.shape, v.shape, q.device, q.dtype, k.dtype, v.dtype, beta.dtype, g is None, gk is None,
             initial_state is None, output_final_state,
-            None if cu_seqlens is None else cu_seqlens.numel(), backward)
+            None if cu_seqlens is None else cu_seqlens.numel(), backward, keep_states)
     if call in _CHECKED_CALLS:
         return
     if not compile_ahead_enabled() or graph_capturing(q.device):
@@ -328,7 +348,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
                plan.backward_warp_roles.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
-           layout.is_varlen, q.shape[1] % 16 == 0, choices, backward)
+           layout.is_varlen, q.shape[1] % 16 == 0, choices, backward, keep_states)
     if key in _COMPILED_AHEAD:
         return
     _COMPILED_AHEAD.add(key)
@@ -336,7 +356,7 @@ def compile_ahead_of_first_call(args: tuple, backward: bool) -> None:
     ctx.save_for_backward = lambda *saved: setattr(ctx, "saved_tensors", saved)
     try:
         with torch.no_grad(), compile_ahead():
-            o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args)
+            o, final = ChunkGatedDeltaRuleFunction.forward(ctx, *args, keep_states)
             if backward:
                 ChunkGatedDeltaRuleFunction.backward(ctx, torch.empty_like(o),
                                                      None if final is None else torch.empty_like(final))

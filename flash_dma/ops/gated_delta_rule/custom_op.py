@@ -46,7 +46,7 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
             cu_seqlens)
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward)
-        o, final, g_cum, gk_cum, ai, aqk, segments, _, _ = run_forward(*args)
+        o, final, g_cum, gk_cum, ai, aqk, segments, *_ = run_forward(*args)
     # the backward's reach (segments.py) does not cross the op boundary: there bwd_dhu's local
     # pass runs whole segments (the same result, dropped transitions included)
     starts, transitions = (absent(q), absent(q)) if segments is None else segments[:2]

@@ -14,6 +14,7 @@ import torch
 
 from ...runtime.custom_ops import present, use_custom_ops
 from ...runtime.hardware import device_guard
+from ...runtime.profile import log_fallback
 from .autograd import ChunkGatedDeltaRuleFunction, compile_ahead_of_first_call, run_bwd_dhu
 from .checks import check_chunk_size, check_op_inputs
 from .custom_op import gated_delta_rule_bwd_dhu, gated_delta_rule_fwd
@@ -55,12 +56,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            beta: torch.Tensor, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           gk: torch.Tensor | None = None, chunk_size: int = 64):
+                           gk: torch.Tensor | None = None, chunk_size: int = 64, disable_recompute: bool = False):
     """Gated delta rule (Gated DeltaNet; Kimi Delta Attention with the per-key gate gk), chunked.
 
     q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV] log decay (or None with
     gk); gk [B, T, HV, K] per-key log decay; beta [B, T, HV]; initial_state [N, HV, K, V] fp32.
     With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
+    disable_recompute (as FLA's chunk_kda names it): keep the forward's per-chunk states and v_new
+    for the backward instead of recomputing them there (a faster backward, for about
+    T / 64 * K * V + T * V more 16-bit elements per value head held between the two). Only
+    where the forward writes them: the fused SM90 forward and torch.compile's custom ops keep
+    none, and recompute as usual (logged once).
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
     compiling = use_custom_ops()
@@ -75,12 +81,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state))
     if compiling:  # traced by torch.compile: one custom op node (custom_op.py)
+        if disable_recompute and backward:
+            log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
+                         "the backward's recompute", "torch.compile's custom ops keep no states")
         o, final, *_ = gated_delta_rule_fwd(*args, backward)
         final = present(final, bool(output_final_state))
     else:
         with device_guard(q.device):
-            compile_ahead_of_first_call(args, backward=backward)
-            o, final = ChunkGatedDeltaRuleFunction.apply(*args)
+            keep_states = bool(disable_recompute) and backward
+            compile_ahead_of_first_call(args, backward=backward, keep_states=keep_states)
+            o, final = ChunkGatedDeltaRuleFunction.apply(*args, keep_states)
     if pad_v:
         V = v.shape[-1] - pad_v
         o = o[..., :V]

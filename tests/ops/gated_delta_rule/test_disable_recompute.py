@@ -1,0 +1,90 @@
+"""disable_recompute: the forward keeps its per-chunk states and v_new, and the backward runs no
+state pass of its own; outputs and gradients stay those of the fp64 reference (and of the
+recomputing backward)."""
+import pytest
+import torch
+
+from flash_dma.ops.gated_delta_rule import tune
+from flash_dma.runtime.config import overrides
+
+from conftest import DTYPES
+
+from .cases import DEVICE, GPU_SHAPES, SHAPES, check_errors, cu_from_lengths, make_inputs, run_op, run_reference
+
+STATE_PASSES = ("fwd_h", "fwd_h_from_t")
+
+CASES = {  # name: (B, T, H, HV, K, V, gate, states, lengths, overrides)
+    "odd-T": (*SHAPES["odd-T"], None, {}),
+    "gk-only": (*SHAPES["gk-only"], None, {}),
+    "g+gk-gva": (*SHAPES["g+gk-gva"], None, {}),
+    "K64-kept-T": (*SHAPES["K64-kept-T-gva"], None, {}),
+    "K64-kept-pairs-g+gk-gva": (*SHAPES["K64-kept-pairs-g+gk-gva"], None, {}),
+    "varlen-0-1-gk": (1, 200, 1, 2, 32, 16, "gk", True, [0, 70, 1, 129], {}),
+    "varlen-cut": (1, 300, 1, 1, 32, 32, "g", True, [0, 230, 1, 69], {"gdn_chunks_per_segment": 1}),
+}
+
+
+def _results(inputs, cotangents, states, reference=False, **kwargs):
+    """o, the final state and every gradient of the op (kwargs its options) or the reference,
+    with the passes the op launched forward and backward."""
+    run = run_reference if reference else run_op
+    with tune._PassRecorder() as forward_passes:
+        leaves, o, final = run(inputs, output_final_state=states, **kwargs)
+    outputs = [o] + ([final] if states else [])
+    with tune._PassRecorder() as backward_passes:
+        grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents[:len(outputs)])
+    out = {"o": o, **({"final_state": final} if states else {})}
+    out.update({"d" + name: grad for name, grad in zip(leaves, grads)})
+    return out, forward_passes.seen, backward_passes.seen
+
+
+def _inputs(case):
+    B, T, H, HV, K, V, gate, states, lengths, _ = case
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, DTYPES[-1], gate, states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    cotangents = [torch.randn_like(inputs["v"])]
+    if states:
+        cotangents.append(torch.randn_like(inputs["initial_state"]))
+    return inputs, kwargs, cotangents
+
+
+def _check(case, dtype):
+    inputs, kwargs, cotangents = _inputs(case)
+    states, extra = case[7], case[9]
+    with overrides(**extra):
+        kept, forward_passes, kept_passes = _results(inputs, cotangents, states, disable_recompute=True, **kwargs)
+        recomputed, _, recomputed_passes = _results(inputs, cotangents, states, **kwargs)
+    reference, *_ = _results(inputs, [c.double() for c in cotangents], states, reference=True, **kwargs)
+    # the recomputing backward runs a state pass; where the forward ran a Triton one (the fused
+    # SM90 forward writes no states), its states are kept and the backward runs none
+    assert any(p in recomputed_passes for p in STATE_PASSES), recomputed_passes
+    if DEVICE == "cpu":
+        assert any(p in forward_passes for p in STATE_PASSES), forward_passes
+    if any(p in forward_passes for p in STATE_PASSES):
+        assert not any(p in kept_passes for p in STATE_PASSES), kept_passes
+    else:
+        assert any(p in kept_passes for p in STATE_PASSES), kept_passes
+    assert kept.keys() == reference.keys()
+    check_errors({name: (kept[name], reference[name]) for name in kept}, dtype)
+    check_errors({name: (kept[name], recomputed[name]) for name in kept}, dtype)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kept_states_match_reference_and_recompute(name):
+    _check(CASES[name], DTYPES[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["gva-kda-128", "gk-K64-V128", "K256-V256", "h4-128"])
+def test_gpu_kept_states(shape):
+    _check((*GPU_SHAPES[shape], None, {}), torch.bfloat16)
+
+
+def test_no_states_kept_without_a_backward():
+    """Without a backward (no grad wanted) nothing is kept: the flag changes nothing."""
+    inputs, kwargs, _ = _inputs(CASES["gk-only"])
+    with torch.no_grad():
+        _, o_kept, _ = run_op(inputs, leaves_wanted=False, disable_recompute=True, **kwargs)
+        _, o, _ = run_op(inputs, leaves_wanted=False, **kwargs)
+    assert torch.equal(o_kept, o)
