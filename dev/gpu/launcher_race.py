@@ -4,10 +4,12 @@ own arity (a launcher of another kernel raises "function takes exactly N argumen
 CUDA machine (the launchers link libcuda).
 
     python dev/gpu/launcher_race.py [lock]          # empty cache: builds and loads overlap
-    python dev/gpu/launcher_race.py warm [lock] [N] # builds once, then N fresh processes each
-                                                    # load all 24 from the warm cache at once
-lock: module loads one at a time.
+    python dev/gpu/launcher_race.py warm [lock] [again] [N]
+        builds once, then N fresh processes each load all 24 from the warm cache at once (again:
+        each process loads all 24 one by one first, so the parallel loads are second loads)
+lock: module loads one at a time, each handing back its own functions (runtime.launch's guard).
 """
+import contextlib
 import os
 import re
 import subprocess
@@ -20,6 +22,9 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())
 
 import triton.runtime.build as build  # noqa: E402
 from triton.backends.nvidia import driver as nv  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from flash_dma.runtime.launch import _module_loads_one_at_a_time  # noqa: E402
 
 FIXED_ARGS = 13  # grid, stream, function, metadata, hooks, scratch: the launch's own arguments
 
@@ -38,20 +43,14 @@ def build_one(n: int):
 
 
 def load_all(locked: bool) -> list:
-    if locked:
-        real, lock = build._load_module_from_path, threading.Lock()
-
-        def load(name, path):
-            with lock:
-                return real(name, path)
-        build._load_module_from_path = load
+    guard = _module_loads_one_at_a_time() if locked else contextlib.nullcontext()
     barrier = threading.Barrier(16)
 
     def at_once(n):
         if n <= 16:
             barrier.wait()
         return build_one(n)
-    with ThreadPoolExecutor(16) as pool:
+    with guard, ThreadPoolExecutor(16) as pool:
         results = list(pool.map(at_once, range(1, 25)))
     return [(n, arity) for n, arity in results if arity != n + FIXED_ARGS]
 
@@ -61,6 +60,9 @@ def main():
     locked = "lock" in args
     label = "locked" if locked else "parallel"
     if "child" in args:
+        if "again" in args:  # every launcher loaded once, then all again at once: CPython finds
+            for n in range(1, 25):  # each in its extension cache the second time
+                build_one(n)
         print(len(load_all(locked)))
         return
     if "warm" not in args:
@@ -70,7 +72,7 @@ def main():
     rounds = int(next((a for a in args if a.isdigit()), "40"))
     for n in range(1, 25):  # warm the cache in this process, one at a time
         build_one(n)
-    child = [sys.executable, __file__, "child"] + (["lock"] if locked else [])
+    child = [sys.executable, __file__, "child"] + (["lock"] if locked else []) + (["again"] if "again" in args else [])
     bad = 0
     for _ in range(rounds):
         out = subprocess.run(child, capture_output=True, text=True, env=os.environ)

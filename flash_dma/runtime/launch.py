@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -137,7 +138,7 @@ def compile_ahead(workers: int | None = None):
     ready, made in parallel rather than one after another (Triton's compiler and the host
     compiler it runs release the GIL for most of their work)."""
     pending: list = []
-    with ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1)) as pool:
+    with _module_loads_one_at_a_time(), ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1)) as pool:
         with triton.AsyncCompileMode(pool):
             _AHEAD.pending = pending
             try:
@@ -146,12 +147,47 @@ def compile_ahead(workers: int | None = None):
                 _AHEAD.pending = None
         # once per compiled kernel: a kernel launched twice in the dry run is listed twice, and
         # two threads initialising one kernel's handles at once race in Triton 3.6 (one may see
-        # the launcher before the binary is loaded; triton-lang/triton PR 11518)
+        # the launcher before the binary is loaded; triton-lang/triton PR 11518); module loads
+        # one at a time (_module_loads_one_at_a_time)
         unique = {}
         for compiled, device in pending:
             unique.setdefault(id(compiled), (compiled, device))  # the first device: where Triton caches it
         for compiled, device in unique.values():
             pool.submit(_load_ahead, compiled, device)
+
+
+_MODULE_LOAD_LOCK = threading.Lock()
+
+
+@contextmanager
+def _module_loads_one_at_a_time():
+    """While the pool loads kernels, Triton's C modules (each kernel's launcher) load one at a time,
+    each handing back a copy of its own namespace. A launcher's module is single-phase, so
+    CPython serves a second load of its file (two kernels of one launch signature) from its
+    extension cache: it returns the module last registered under the shared name
+    "__triton_launcher" (another kernel's) with this file's functions written into it. Two such
+    loads at once could each read the other's launch (a launcher of the wrong arity at the first
+    real launch). Builds (the host compiler) still run side by side."""
+    try:
+        from triton.runtime import build
+    except ImportError:
+        build = None
+    real = getattr(build, "_load_module_from_path", None)
+    if real is None:  # another Triton layout: nothing to guard
+        yield
+        return
+
+    def load(name, path):
+        with _MODULE_LOAD_LOCK:
+            module = real(name, path)
+            own = types.ModuleType(module.__name__)
+            own.__dict__.update(module.__dict__)
+            return own
+    build._load_module_from_path = load
+    try:
+        yield
+    finally:
+        build._load_module_from_path = real
 
 
 def _load_ahead(compiled, device: int) -> None:

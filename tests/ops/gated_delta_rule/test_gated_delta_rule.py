@@ -369,8 +369,8 @@ def test_gpu_first_call_compiles_every_kernel_ahead(gate, K, monkeypatch):
     late = []
     original = interface.compile_ahead_of_first_call
 
-    def then_watch(args, backward):
-        original(args, backward)
+    def then_watch(args, backward, **kwargs):
+        original(args, backward, **kwargs)
         monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                             lambda *a, **kw: late.append(("compiled", kw.get("repr", "?"))))
         monkeypatch.setattr(triton.knobs.runtime, "kernel_load_start_hook",
