@@ -156,6 +156,16 @@ def test_gdn_candidates_keep_the_tiles_that_compile():
             assert {c.block_v for c in full} == {64} and {c.block_k for c in full} == {128}
 
 
+def test_gdn_state_pass_candidates_hold_all_of_k():
+    """The state passes' tile covers all of K; at K = 256 only two stages (three overflow shared
+    memory, one made an illegal address on an H200)."""
+    for pass_name in gdn_table.SEQUENTIAL:
+        for K in (64, 128, 256):
+            full = gdn_tune.candidates_for(pass_name, K, K, quick=False)
+            assert {c.block_k for c in full} == {K}, (pass_name, K)
+            assert {c.num_stages for c in full} == ({2} if K > 128 else {1, 2, 3}), (pass_name, K)
+
+
 def test_attention_candidates_fit_and_start_with_the_table():
     for kernel in attention_table.KERNELS:
         cands = __import__("flash_dma.ops.dynamic_mask_attention.tune", fromlist=["x"]).candidates_for(

@@ -40,7 +40,8 @@ GATES = ("g", "gk")
 
 def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfig]:
     """The table's entry first, then variations of it: warps and stages, and for passes that tile
-    K and V freely, K tiles of 64 up to all of K and V tiles of 32 up to 64."""
+    K and V freely, K tiles of 64 up to all of K (the state passes: all of K) and V tiles of 32
+    up to 64."""
     kp, vp = config.head_dim_block(K), config.head_dim_block(V)
     first = launch_table._default(pass_name, kp, vp)
     if pass_name == "intra":
@@ -51,14 +52,18 @@ def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfi
         if cfg not in out:
             out.append(cfg)
 
+    # The state passes hold all of K in one tile. At K = 256 three stages overflow their shared
+    # memory, and one made an illegal address (fwd_h and bwd_dhu, 16-wide tiles, H200, Triton 3.6)
+    sequential = pass_name in launch_table.SEQUENTIAL
+    wide_state = sequential and kp > 128
     for warps in (2, 4, 8):
-        for stages in (1, 2, 3):
+        for stages in ((2,) if wide_state else (1, 2, 3)):
             add(replace(first, num_warps=warps, num_stages=stages))
     if pass_name not in FIXED_TILES:
-        for block_k in sorted({64, kp}):
+        for block_k in ((kp,) if sequential else sorted({64, kp})):
             for block_v in sorted({min(32, vp), min(64, vp)}):
                 for warps in (4, 8):
-                    for stages in (2, 3):
+                    for stages in ((2,) if wide_state else (2, 3)):
                         add(GdnConfig(block_k, block_v, warps, stages))
     return out[:QUICK_CANDIDATES] if quick else out
 
