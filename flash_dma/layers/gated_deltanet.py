@@ -93,7 +93,7 @@ class _DeltaRuleLayer(nn.Module):
     packing, the recurrent state, the output norm. Subclasses give the gates."""
 
     def _init_common(self, hidden_size, expand_v, head_dim, num_heads, num_v_heads, use_short_conv,
-                     allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps):
+                     allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps, disable_recompute):
         check_positive_int("hidden_size", hidden_size)
         check_positive_int("head_dim", head_dim)
         check_positive_int("num_heads", num_heads)
@@ -122,6 +122,9 @@ class _DeltaRuleLayer(nn.Module):
         self.value_dim = num_v_heads * self.head_v_dim
         self.use_short_conv = use_short_conv
         self.allow_neg_eigval = allow_neg_eigval
+        # the op's disable_recompute (FLA chunk_kda's option): a faster backward for the forward's
+        # per-chunk states held until it runs
+        self.disable_recompute = bool(disable_recompute)
         self.conv_size = conv_size
         self.conv_bias = conv_bias
         self.layer_idx = layer_idx
@@ -196,7 +199,8 @@ class _DeltaRuleLayer(nn.Module):
         initial = past_key_values.recurrent_state if past_key_values is not None else None
         o, final = chunk_gated_delta_rule(
             q, k, v, g, beta.to(q.dtype), initial_state=initial, output_final_state=past_key_values is not None,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=None if packing is None else packing.cu_seqlens, gk=gk)
+            use_qk_l2norm_in_kernel=True, cu_seqlens=None if packing is None else packing.cu_seqlens, gk=gk,
+            disable_recompute=self.disable_recompute)
         if past_key_values is not None:
             past_key_values.recurrent_state = final
             past_key_values.conv_states = conv_states
@@ -225,14 +229,16 @@ class GatedDeltaNet(_DeltaRuleLayer):
     :math:`\beta_t = \sigma(x_t W_b)` (twice that with allow_neg_eigval), and the output is
     RMS-normalised, gated by :math:`\mathrm{SiLU}(x_t W_g)` (use_gate; output_gate_activation
     'sigmoid' for a sigmoid gate) and projected by o_proj. Arguments and defaults as FLA 0.6's
-    fla.layers.GatedDeltaNet (mode: 'chunk' only).
+    fla.layers.GatedDeltaNet (mode: 'chunk' only), plus disable_recompute (chunk_gated_delta_rule's:
+    the backward reuses the forward's per-chunk states where the forward writes them).
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
                  num_v_heads: int | None = None, mode: str = "chunk", use_gate: bool = True,
                  use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
-                 output_gate_activation: str = "swish", device=None, dtype=None, **kwargs):
+                 output_gate_activation: str = "swish", disable_recompute: bool = False, device=None, dtype=None,
+                 **kwargs):
         super().__init__()
         if mode != "chunk":
             raise ValueError(f"mode: only 'chunk' is implemented, got {mode!r}")
@@ -242,7 +248,7 @@ class GatedDeltaNet(_DeltaRuleLayer):
             raise ValueError(f"output_gate_activation: expected 'swish', 'silu' or 'sigmoid', got "
                              f"{output_gate_activation!r}")
         self._init_common(hidden_size, expand_v, head_dim, num_heads, num_v_heads, use_short_conv,
-                          allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps)
+                          allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps, disable_recompute)
         self.mode = mode
         self.use_gate = use_gate
         factory = dict(device=device, dtype=dtype)
@@ -293,14 +299,15 @@ class KimiDeltaAttention(_DeltaRuleLayer):
     Unlike FLA (default None) the default here is b = -5: the chunked kernels need per-token
     decays above about -10. beta = sigmoid(b_proj(x)) (twice that with allow_neg_eigval); the
     output is RMS-normalised and gated by sigmoid(g_proj(x)). safe_gate (FLA's flag that b is
-    set) only starts A_log at 0, as FLA does.
+    set) only starts A_log at 0, as FLA does. disable_recompute: chunk_kda's option, passed to
+    chunk_gated_delta_rule (the backward reuses the forward's per-chunk states).
     """
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 1, head_dim: int = 128, num_heads: int = 16,
                  num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
                  allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = -5.0,
                  conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None,
-                 norm_eps: float = 1e-5, device=None, dtype=None, **kwargs):
+                 norm_eps: float = 1e-5, disable_recompute: bool = False, device=None, dtype=None, **kwargs):
         super().__init__()
         if mode != "chunk":
             raise ValueError(f"mode: only 'chunk' is implemented, got {mode!r}")
@@ -311,7 +318,7 @@ class KimiDeltaAttention(_DeltaRuleLayer):
         if safe_gate and lower_bound is None:
             raise ValueError("lower_bound: safe_gate=True needs a lower bound")
         self._init_common(hidden_size, expand_v, head_dim, num_heads, num_v_heads, use_short_conv,
-                          allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps)
+                          allow_neg_eigval, conv_size, conv_bias, layer_idx, norm_eps, disable_recompute)
         self.mode = mode
         self.safe_gate = safe_gate
         self.lower_bound = lower_bound

@@ -26,7 +26,7 @@ def make(kind, dtype=CPU_DTYPE, **kw):
 
 
 @pytest.mark.parametrize("kind, kw", [("gdn", dict(num_v_heads=4, allow_neg_eigval=True)),
-                                      ("kda", {})])
+                                      ("kda", {}), ("kda", dict(disable_recompute=True))])
 def test_output_and_gradients_match_reference(kind, kw):
     layer = make(kind, **kw)
     x = torch.randn(1, 20, 32, device=DEVICE)
@@ -39,6 +39,21 @@ def test_output_and_gradients_match_reference(kind, kw):
     ref.backward(grad.double())
     for name, param in layer.named_parameters():
         assert_close(name, param.grad, P[name].grad, torch.float32, scale=50)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_disable_recompute_reaches_the_op(kind, monkeypatch):
+    from flash_dma.layers import gated_deltanet
+    seen = []
+    real = gated_deltanet.chunk_gated_delta_rule
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["disable_recompute"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(gated_deltanet, "chunk_gated_delta_rule", recording)
+    for flag in (False, True):
+        make(kind, disable_recompute=flag)(torch.randn(1, 8, 32, device=DEVICE))
+    assert seen == [False, True]
 
 
 def test_kda_gates_stay_bounded():
