@@ -31,7 +31,6 @@ from flash_dma.runtime import config  # noqa: E402
 from flash_dma.runtime.config import head_dim_block  # noqa: E402
 
 
-
 def sequential_candidates(K: int) -> list[GdnConfig]:
     """V tiles, warps and stages of the state passes; all of K in one tile. At K = 256 three
     stages overflow shared memory, and one stage of fwd_h or bwd_dhu made an illegal address

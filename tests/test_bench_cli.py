@@ -624,3 +624,20 @@ def test_op_sides_are_timed_in_alternating_rounds():
     assert results["FLA"].bwd_ms == 2.0 and results["FLA"].note == "bwd = (fwd+bwd) - fwd"
     with pytest.raises(ValueError, match="rounds"):
         gdn._time_in_rounds(sides, results, timer, 0)
+
+
+def test_keep_states_case_reaches_both_sides_as_disable_recompute():
+    seen = []
+
+    def recording(who):
+        def op(q, k, v, g, beta, initial_state=None, output_final_state=False, gk=None, disable_recompute=None, **_):
+            seen.append((who, disable_recompute, gk is not None))
+            return gdn.recurrence_reference(q, k, v, g, beta, gk=gk)
+        return op
+
+    fla = SimpleNamespace(op=None, kda=recording("fla"))
+    case = gdn.OpCase(1, 20, 2, 8, 8, per_key_gate=True, keep_states=True)
+    rows = gdn.run_op_case(case, recording("ours"), fla, [], device="cpu", timer=fake_timer)
+    assert rows[0].config == "B1 T20 H2 K8 V8 KDA no-recompute fwd"
+    assert {w for w, *_ in seen} == {"ours", "fla"} and all(flag is True for _, flag, _ in seen)
+    assert all(gated for who, _, gated in seen if who == "ours")  # ours takes the per-key gate as gk

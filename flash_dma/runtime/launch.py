@@ -157,6 +157,9 @@ def compile_ahead(workers: int | None = None):
 
 
 _MODULE_LOAD_LOCK = threading.Lock()
+_GUARD_LOCK = threading.Lock()  # guards the two below
+_GUARD_USERS = 0  # compile_ahead blocks open now, in any thread
+_GUARD_REAL = None  # Triton's own loader while the guard is installed
 
 
 @contextmanager
@@ -167,27 +170,41 @@ def _module_loads_one_at_a_time():
     extension cache: it returns the module last registered under the shared name
     "__triton_launcher" (another kernel's) with this file's functions written into it. Two such
     loads at once could each read the other's launch (a launcher of the wrong arity at the first
-    real launch). Builds (the host compiler) still run side by side."""
+    real launch). Builds (the host compiler) still run side by side. Installed once for all
+    blocks open at a time (threads may enter compile_ahead together): the first in installs it,
+    the last out restores Triton's loader."""
+    global _GUARD_USERS, _GUARD_REAL
     try:
         from triton.runtime import build
     except ImportError:
         build = None
-    real = getattr(build, "_load_module_from_path", None)
-    if real is None:  # another Triton layout: nothing to guard
+    with _GUARD_LOCK:
+        if _GUARD_USERS == 0:
+            real = getattr(build, "_load_module_from_path", None)
+            if real is None:  # another Triton layout: nothing to guard
+                build = None
+            else:
+                _GUARD_REAL = real
+
+                def load(name, path):
+                    with _MODULE_LOAD_LOCK:
+                        module = real(name, path)
+                        own = types.ModuleType(module.__name__)
+                        own.__dict__.update(module.__dict__)
+                        return own
+                build._load_module_from_path = load
+        if build is not None:
+            _GUARD_USERS += 1
+    if build is None:
         yield
         return
-
-    def load(name, path):
-        with _MODULE_LOAD_LOCK:
-            module = real(name, path)
-            own = types.ModuleType(module.__name__)
-            own.__dict__.update(module.__dict__)
-            return own
-    build._load_module_from_path = load
     try:
         yield
     finally:
-        build._load_module_from_path = real
+        with _GUARD_LOCK:
+            _GUARD_USERS -= 1
+            if _GUARD_USERS == 0:
+                build._load_module_from_path, _GUARD_REAL = _GUARD_REAL, None
 
 
 def _load_ahead(compiled, device: int) -> None:

@@ -60,11 +60,59 @@ def test_parallel_second_loads_keep_their_own_functions(tmp_path):
         folder.mkdir()
         (folder / "m.c").write_text(SOURCE % n)
         paths[n] = str(folder / f"__triton_launcher{suffix}")
-        subprocess.run([compiler, "-shared", "-fPIC", f"-I{include}", str(folder / "m.c"), "-o", paths[n]],
-                       check=True, capture_output=True)
+        try:
+            subprocess.run([compiler, "-shared", "-fPIC", f"-I{include}", str(folder / "m.c"), "-o", paths[n]],
+                           check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            pytest.skip(f"the C compiler does not build an extension module here: {exc.stderr[-300:]!r}")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = tmp_path / "race.py"
     script.write_text(textwrap.dedent(RACE.format(root=root, paths=paths)))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "0", f"loads that handed back another module's launch: {run.stdout}"
+
+
+def test_overlapping_guards_neither_deadlock_nor_outlive_the_last(monkeypatch):
+    """Two compile_ahead blocks open at once (two threads, or one inside the other): a load inside
+    both goes through one lock (no deadlock), and Triton's loader comes back when the last one
+    closes, whichever closes first."""
+    import threading
+    import types
+
+    build = pytest.importorskip("triton.runtime.build")
+    from flash_dma.runtime.launch import _module_loads_one_at_a_time
+
+    def real(name, path):
+        module = types.ModuleType(name)
+        module.path = path
+        return module
+    monkeypatch.setattr(build, "_load_module_from_path", real)
+    loaded = []
+
+    def nested_then_load():
+        outer = _module_loads_one_at_a_time()
+        outer.__enter__()
+        with _module_loads_one_at_a_time():
+            loaded.append(build._load_module_from_path("m", "p").path)
+            outer.__exit__(None, None, None)  # the first opened closes first
+            assert build._load_module_from_path is not real  # still guarded for the inner one
+    thread = threading.Thread(target=nested_then_load, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "a load inside two open guards deadlocked"
+    assert loaded == ["p"]
+    assert build._load_module_from_path is real
+
+
+def test_compile_ahead_guards_its_loads(monkeypatch):
+    """compile_ahead installs the guard for its whole block and takes it away after."""
+    build = pytest.importorskip("triton.runtime.build")
+    from flash_dma.runtime.launch import compile_ahead
+
+    def real(name, path):
+        raise AssertionError("not called here")
+    monkeypatch.setattr(build, "_load_module_from_path", real)
+    with compile_ahead(workers=1):
+        assert build._load_module_from_path is not real
+    assert build._load_module_from_path is real

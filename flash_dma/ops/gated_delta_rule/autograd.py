@@ -150,8 +150,9 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     elif gk_cum is not None:  # T, the gated pair products and the gate cumsums kept: w, u and the gated q, k
         w, u, k_gated, q_gated = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
                                                              with_u=states is None, gk_cum=gk_cum, q=q)
-    elif ((warp_roles or dhu_warp_roles) and plan.backward_states_from_inverse.value) or plan.dhu_w_from_t_on():
-        # the state pass forms v_new from T and bwd_dhu takes T: no w
+    elif ((warp_roles or dhu_warp_roles) and (states is not None or plan.backward_states_from_inverse.value)) \
+            or plan.dhu_w_from_t_on():
+        # the state pass forms v_new from T (or is not run: states kept) and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
     else:
         gk_cum = aqk = k_gated = q_gated = None

@@ -25,6 +25,7 @@ from torch import Tensor
 from ...runtime.custom_ops import absent, present
 from ...runtime.config import ceil_div
 from ...runtime.hardware import device_guard
+from ...runtime.profile import log_fallback
 from .autograd import compile_ahead_of_first_call, kept_gate, run_backward, run_bwd_dhu, run_forward
 from .checks import check_op_inputs, checked_cu_seqlens
 from .launch_table import keeps_gated_pairs, keeps_inverse
@@ -36,11 +37,15 @@ from .segments import segment_bound
 @torch.library.custom_op("flash_dma::gated_delta_rule_fwd", mutates_args=())
 def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: Tensor | None, beta: Tensor,
                          scale: float, initial_state: Tensor | None, output_final_state: bool,
-                         cu_seqlens: Tensor | None, compile_backward: bool
+                         cu_seqlens: Tensor | None, compile_backward: bool, keep_states_asked: bool = False
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v, g, gk, beta as chunk_gated_delta_rule hands them to its autograd Function (rows,
     gates in fp32). compile_backward: the call will be differentiated (compile its backward's
-    kernels ahead too)."""
+    kernels ahead too). keep_states_asked: disable_recompute was passed, which these ops do not
+    serve (logged here, in the op's eager run: Dynamo cannot trace a logger call)."""
+    if keep_states_asked:
+        log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
+                     "the backward's recompute", "torch.compile's custom ops keep no states")
     *_, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, CHUNK)
     args = (as_rows(q), as_rows(k), as_rows(v), g, gk, as_rows(beta), scale, initial_state, output_final_state,
             cu_seqlens)
@@ -77,7 +82,7 @@ def _kept_for_backward(k, v, g, gk) -> tuple[bool, bool, bool, bool]:
 
 @gated_delta_rule_fwd.register_fake
 def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               compile_backward):
+                               compile_backward, keep_states_asked=False):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -134,7 +139,7 @@ def _gated_delta_rule_bwd_fake(do, dht, q, k, v, g, gk, beta, scale, initial_sta
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, _ = inputs
+    q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, *_ = inputs
     o, final, g_cum, gk_cum, ai, aqk, starts, transitions = output
     gk_kept = kept_gate(gk, gk_cum if gk_cum.numel() else None, q, k, v, g, beta, initial_state)
     ctx.save_for_backward(q, k, v, g, gk_kept, beta, initial_state, cu_seqlens, g_cum, gk_cum, ai, aqk, starts,
@@ -153,7 +158,7 @@ def _backward(ctx, do, dht, _dg_cum, _dgk_cum, _dai, _daqk, _dstarts, _dtransiti
                                                            initial_state, cu_seqlens, g_cum, gk_cum, ai, aqk,
                                                            starts, transitions)
     return (dq, dk, dv, present(dg, g is not None), present(dgk, ctx.has_gk), dbeta, None,
-            present(dh0, initial_state is not None), None, None, None)
+            present(dh0, initial_state is not None), None, None, None, None)
 
 
 gated_delta_rule_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -14,7 +14,6 @@ import torch
 
 from ...runtime.custom_ops import present, use_custom_ops
 from ...runtime.hardware import device_guard
-from ...runtime.profile import log_fallback
 from .autograd import ChunkGatedDeltaRuleFunction, compile_ahead_of_first_call, run_bwd_dhu
 from .checks import check_chunk_size, check_op_inputs
 from .custom_op import gated_delta_rule_bwd_dhu, gated_delta_rule_fwd
@@ -64,7 +63,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
     disable_recompute (as FLA's chunk_kda names it): keep the forward's per-chunk states and v_new
     for the backward instead of recomputing them there (a faster backward, for about
-    T / 64 * K * V + T * V more 16-bit elements per value head held between the two). Only
+    T / 64 * K * V + T * V more elements of k's and v's dtypes per value head held between the
+    two, until the backward has run). Only
     where the forward writes them: the fused SM90 forward and torch.compile's custom ops keep
     none, and recompute as usual (logged once).
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
@@ -81,10 +81,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g32, gk32, beta, initial_state))
     if compiling:  # traced by torch.compile: one custom op node (custom_op.py)
-        if disable_recompute and backward:
-            log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
-                         "the backward's recompute", "torch.compile's custom ops keep no states")
-        o, final, *_ = gated_delta_rule_fwd(*args, backward)
+        o, final, *_ = gated_delta_rule_fwd(*args, backward, bool(disable_recompute) and backward)
         final = present(final, bool(output_final_state))
     else:
         with device_guard(q.device):
