@@ -292,6 +292,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, disable_recompute)
         seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
         h, v_new = states if states is not None else (None, None)
+        if states is not None:  # the starts serve only the backward's state pass, which then does not run
+            seg_starts = None
         ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, initial_state), beta,
                               initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach,
                               h, v_new)
@@ -302,7 +304,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         (q, k, v, g, gk, beta, initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions,
          seg_reach, h, v_new) = ctx.saved_tensors
-        segments = None if seg_starts is None else (seg_starts, seg_transitions, seg_reach)
+        segments = None if seg_transitions is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
                                                        initial_state, g_cum, ai, aqk, do, dht, segments, gk_cum,
                                                        None if h is None else (h, v_new))
