@@ -5,13 +5,16 @@ public op's forward + backward, in its own process (an illegal address ends the 
 
 Checks the gradients against the plan's own configuration in the same process.
 """
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from flash_dma import chunk_gated_delta_rule
-from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig
-from flash_dma.runtime import config
+import torch  # noqa: E402
+
+from flash_dma import chunk_gated_delta_rule  # noqa: E402
+from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
+from flash_dma.runtime import config  # noqa: E402
 
 
 def main():
