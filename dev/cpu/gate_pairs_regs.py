@@ -4,7 +4,7 @@ compile_for_sm90 and kernel signatures. On the H200 the counts matched within a 
 (ncu and the compiled kernels' n_regs / n_spills): a quick check of a kernel edit's register
 pressure before a GPU run.
 
-    python dev/cpu/gate_pairs_regs.py [--K 128] [--configs 64x4,32x4,64x8] [--g] [--varlen]
+    python dev/cpu/gate_pairs_regs.py [--K 128] [--configs 64x4,32x4,64x8] [--g] [--varlen] [--store-q]
 
 A config is BKxWARPS. Prints one line per kernel and config.
 """
@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--configs", default="64x4,32x4,64x8")
     ap.add_argument("--g", action="store_true", help="the scalar gate g beside gk")
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--store-q", action="store_true", help="the gated-pair forward also stores q e^C")
     ns = ap.parse_args()
     for pass_name, (whole, pointers, scalars) in KERNELS.items():
         pointers = dict(pointers)
@@ -38,7 +39,7 @@ def main():
         for name in (whole, BLOCKWISE[pass_name]):
             for config in ns.configs.split(","):
                 block_k, warps = (int(x) for x in config.split("x"))
-                constants = {"H": 16, "HV": 16, "K": ns.K, "BK": block_k, "HAS_G": ns.g, "STORE_Q_GATED": False,
+                constants = {"H": 16, "HV": 16, "K": ns.K, "BK": block_k, "HAS_G": ns.g, "STORE_Q_GATED": ns.store_q,
                              "IS_VARLEN": ns.varlen}
                 constants.update({n: None for n in ("g", "g_cum", "chunk_map", "cu_seqlens") if n not in pointers})
                 compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers,
