@@ -11,7 +11,8 @@ each candidate configuration of the swept pass (the plan's own first; tune.candi
 all of K for pair_grad; for the sequential state passes V tiles of 16-64 with 2-8 warps and 2-3
 stages, at K = 256 16-32 with 4-8 warps and 2 stages), each checked against the plan's output
 and gradients (a candidate that differs is reported, never timed). The table's defaults change
-only on evidence from both Hopper cards; `flash-dma tune gdn` stores a card's own winners. Writes DIR/<pass>-sweep-<device>-<date>.txt.
+only on evidence from both Hopper cards; `flash-dma tune gdn` stores a card's own winners.
+Writes DIR/<pass>-sweep-<device>-<date>.txt.
 """
 import argparse
 import datetime

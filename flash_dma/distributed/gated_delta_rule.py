@@ -230,8 +230,8 @@ class _ContextParallelDeltaRule(torch.autograd.Function):
                 plan, layout, q, k, v, g, gk, beta, scale, piece_initial, True)
             layout.zero_rows_outside(o)
         # the backward recomputes the states from the segments' starts (no exchange)
-        ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, piece_initial), beta, exchange.piece_starts,
-                              g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach)
+        ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, piece_initial), beta,
+                              exchange.piece_starts, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach)
         ctx.layout, ctx.scale = layout, scale
         ctx.plan = replace(plan, forward_join=None, backward_join=exchange.backward_join)
         return o, finals

@@ -80,8 +80,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     states = None
     if fused is not None:
         if keep_states:
-            log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
-                         "the backward's recompute", "the fused SM90 forward writes no per-chunk states")
+            log_states_not_kept("the fused SM90 forward writes no per-chunk states")
         o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,
                                             output_final_state, scale, fused, decay_bound)
     else:
@@ -103,6 +102,12 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     if not plan.keep_gated_pairs:
         gk_cum = aqk = None
     return o, final, g_cum, gk_cum, ai, aqk, segments, states
+
+
+def log_states_not_kept(reason: str) -> None:
+    """disable_recompute asked for states this call cannot keep: said once per reason."""
+    log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
+                 "the backward's recompute", reason)
 
 
 def _fused_forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, ai, g_cum, initial_state,

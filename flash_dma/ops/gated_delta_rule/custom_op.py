@@ -25,8 +25,8 @@ from torch import Tensor
 from ...runtime.custom_ops import absent, present
 from ...runtime.config import ceil_div
 from ...runtime.hardware import device_guard
-from ...runtime.profile import log_fallback
-from .autograd import compile_ahead_of_first_call, kept_gate, run_backward, run_bwd_dhu, run_forward
+from .autograd import (compile_ahead_of_first_call, kept_gate, log_states_not_kept, run_backward, run_bwd_dhu,
+                       run_forward)
 from .checks import check_op_inputs, checked_cu_seqlens
 from .launch_table import keeps_gated_pairs, keeps_inverse
 from .layout import CHUNK, as_rows, chunk_layout
@@ -44,8 +44,7 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
     kernels ahead too). keep_states_asked: disable_recompute was passed, which these ops do not
     serve (logged here, in the op's eager run: Dynamo cannot trace a logger call)."""
     if keep_states_asked:
-        log_fallback("chunk_gated_delta_rule", "disable_recompute (the forward's states kept)",
-                     "the backward's recompute", "torch.compile's custom ops keep no states")
+        log_states_not_kept("torch.compile's custom ops keep no states")
     *_, cu_seqlens = check_op_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gk, CHUNK)
     args = (as_rows(q), as_rows(k), as_rows(v), g, gk, as_rows(beta), scale, initial_state, output_final_state,
             cu_seqlens)

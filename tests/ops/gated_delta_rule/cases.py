@@ -312,7 +312,8 @@ constants = {n: v for n, v in job["constants"].items() if names is None or n in 
 signature = {**job["pointers"], **job["scalars"], **{c: "constexpr" for c in constants}}
 order = [n for n in (names or signature) if n in signature]  # the kernel's order
 signature = {n: signature[n] for n in order}
-aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"] if n in order}  # as launches specialise them
+# as launches specialise them
+aligned = {(order.index(n),): [["tt.divisibility", 16]] for n in job["pointers"] if n in order}
 source = GluonASTSource if job["gluon"] else ASTSource
 compiled = triton.compile(source(kernel, signature, constants, aligned),
                           target=GPUTarget("cuda", 90, 32), options=job["options"])

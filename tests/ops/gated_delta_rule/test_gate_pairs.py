@@ -11,7 +11,8 @@ from .cases import compile_for_sm90
 BF16, FP32 = "*bf16", "*fp32"
 KERNELS = {
     "gated_pairs": ("gdn_gated_pairs_kernel", {"q": BF16, "k": BF16, "gk": FP32, "gk_cum": FP32, "q_gated": BF16,
-                                               "k_gated": BF16, "a_raw": FP32, "aqk": FP32, "needs_blocks": "*i8"}, {"T": "i32", "scale": "fp32"}),
+                                               "k_gated": BF16, "a_raw": FP32, "aqk": FP32, "needs_blocks": "*i8"},
+                    {"T": "i32", "scale": "fp32"}),
     "pair_grad": ("gdn_gated_pair_grad_kernel", {"q": BF16, "k": BF16, "beta": BF16, "gk_cum": FP32, "dp": FP32,
                                                  "da": FP32, "dq": FP32, "dk": FP32, "dbeta_parts": FP32, "db": FP32,
                                                  "dq_out": BF16, "dk_out": BF16, "needs_blocks": "*i8"},
