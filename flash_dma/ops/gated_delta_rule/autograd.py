@@ -64,9 +64,10 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
             output_final_state: bool, keep_states: bool = False):
     """-> (o, final state or None, g_cum, gk_cum, T and the gated query-key products where the
     backward reuses them, else None, segments: (starts, transitions, backward reach or None) of
-    a sequence split of the state pass, else None, states: (h, v_new) where keep_states asks for
-    them and the forward writes them (the Triton state pass; the fused SM90 forward writes
-    neither), else None)."""
+    a sequence split of the state pass, else None, states: (h, v_new, w, k_gated, q_gated) where
+    keep_states asks for them and the forward writes them (the Triton state pass; the fused SM90
+    forward writes none), else None; w where the forward formed it (not from T), k_gated and
+    q_gated with gk, else None)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -74,9 +75,12 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     if plan.segment_chunks() is not None and plan.decay_reach_on():
         decay_bound = torch.empty(layout.num_chunk_states, v.shape[2], device=k.device,
                                   dtype=torch.float32)
-    g_cum, gk_cum, w, u, ai, aqk, k_gated, _ = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
-                                                        store_wu=not split and fused is None,
-                                                        decay_bound=decay_bound)
+    # kept states come with what the backward's recompute of w would give: w and, with gk, the
+    # gated k and q (as FLA's chunk_kda keeps them with disable_recompute)
+    keep = keep_states and fused is None
+    g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
+                                                              store_wu=not split and fused is None,
+                                                              store_q_gated=keep, decay_bound=decay_bound)
     states = None
     if fused is not None:
         if keep_states:
@@ -89,11 +93,10 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
         h, v_new, final, segments = ops.state_pass.states(plan, layout, k if k_gated is None else k_gated, v,
                                                           beta, ai, w, u, g_cum, gk_cum, initial_state,
                                                           output_final_state, decay_bound=decay_bound)
-        del w, u, k_gated
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
-        if keep_states:
-            states = (h, v_new)
-        del h, v_new
+        if keep:
+            states = (h, v_new, w, k_gated, q_gated)
+        del h, v_new, w, u, k_gated, q_gated
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the
     # gate cumsums (kept in place of gk itself: the backward needs only them).
@@ -139,8 +142,8 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     """g_cum, ai, aqk and gk_cum: the forward's gate cumsums, T and (gk) gated query-key products
     and per-key gate cumsums, or None where it keeps them not (gk itself is needed only then);
     segments: the forward's (starts, transitions, backward reach or None) of its sequence split,
-    or None (recomputed); states: the forward's (h, v_new) (disable_recompute), or None
-    (recomputed: the state pass runs again)."""
+    or None (recomputed); states: the forward's (h, v_new, w or None, k_gated or None, q_gated or
+    None) (disable_recompute), or None (recomputed: the state pass runs again)."""
     ops = BACKENDS[plan.backend]
     H = q.shape[2]
     # after the state pass, one kernel: bwd_dhu, the intra-chunk dv and the chunk gradients
@@ -149,9 +152,12 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     fused_chunk = not warp_roles and plan.fused_backward_on()
     # the Gluon kernels take do as a 16-bit MMA operand (a copy only where it is not one)
     do_mma = do.to(q.dtype) if warp_roles or dhu_warp_roles or fused_chunk else None
+    kept_w, kept_k_gated, kept_q_gated = (None, None, None) if states is None else states[2:]
     if ai is None:
         g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                                   store_q_gated=True)
+    elif gk_cum is not None and kept_w is not None and kept_q_gated is not None:  # all kept: no recompute
+        w, u, k_gated, q_gated = kept_w, None, kept_k_gated, kept_q_gated
     elif gk_cum is not None:  # T, the gated pair products and the gate cumsums kept: w, u and the gated q, k
         w, u, k_gated, q_gated = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
                                                              with_u=states is None, gk_cum=gk_cum, q=q)
@@ -159,18 +165,21 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
             or plan.dhu_w_from_t_on():
         # the state pass forms v_new from T (or is not run: states kept) and bwd_dhu takes T: no w
         gk_cum = aqk = k_gated = q_gated = w = u = None
+    elif kept_w is not None:
+        gk_cum = aqk = k_gated = q_gated = u = None
+        w = kept_w
     else:
         gk_cum = aqk = k_gated = q_gated = None
         w, u, _, _ = ops.wy_prepare.recompute_wu(plan, layout, k, v, beta, g_cum, ai,
                                                  with_u=states is None and not plan.backward_states_from_inverse.value)
     k_states = k if k_gated is None else k_gated  # with gk the state passes take gated q and k
     if states is not None:  # kept by the forward (disable_recompute)
-        h, v_new = states
+        h, v_new = states[:2]
     else:  # u None: the state pass forms v_new from T (w is still bwd_dhu's)
         h, v_new, _, segments = ops.state_pass.states(plan, layout, k_states, v, beta, ai,
                                                       None if u is None else w, u, g_cum, gk_cum, initial_state,
                                                       store_final=False, known=segments)
-    del states
+    del states, kept_w, kept_k_gated, kept_q_gated
     if warp_roles:
         from .gluon.backward_ws import bwd_sequential
         del w, u
@@ -296,23 +305,22 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         o, final, g_cum, gk_cum, ai, aqk, segments, states, layout, plan = run_forward(
             q, k, v, g, gk, beta, scale, initial_state, output_final_state, cu_seqlens, disable_recompute)
         seg_starts, seg_transitions, seg_reach = segments if segments is not None else (None, None, None)
-        h, v_new = states if states is not None else (None, None)
         if states is not None:  # the starts serve only the backward's state pass, which then does not run
             seg_starts = None
         ctx.save_for_backward(q, k, v, g, kept_gate(gk, gk_cum, q, k, v, g, beta, initial_state), beta,
                               initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions, seg_reach,
-                              h, v_new)
+                              *(states if states is not None else (None,) * 5))
         ctx.layout, ctx.plan, ctx.scale = layout, plan, scale
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
         (q, k, v, g, gk, beta, initial_state, g_cum, gk_cum, ai, aqk, seg_starts, seg_transitions,
-         seg_reach, h, v_new) = ctx.saved_tensors
+         seg_reach, *states) = ctx.saved_tensors
         segments = None if seg_transitions is None else (seg_starts, seg_transitions, seg_reach)
         dq, dk, dv, dg, dgk, dbeta, dh0 = run_backward(ctx.plan, ctx.layout, q, k, v, g, gk, beta, ctx.scale,
                                                        initial_state, g_cum, ai, aqk, do, dht, segments, gk_cum,
-                                                       None if h is None else (h, v_new))
+                                                       None if states[0] is None else tuple(states))
         return first_order_only("chunk_gated_delta_rule",
                                 (dq, dk, dv, dg, dgk, dbeta, None, dh0, None, None, None),
                                 (q, k, v, g, gk, beta, initial_state))

@@ -61,10 +61,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV] log decay (or None with
     gk); gk [B, T, HV, K] per-key log decay; beta [B, T, HV]; initial_state [N, HV, K, V] fp32.
     With cu_seqlens (int32/int64, [N + 1]) the sequences are packed along T and B must be 1.
-    disable_recompute (as FLA's chunk_kda names it): keep the forward's per-chunk states and v_new
-    for the backward instead of recomputing them there (a faster backward, for about
-    T / 64 * K * V + T * V more elements of k's and v's dtypes per value head held between the
-    two, until the backward has run). Only
+    disable_recompute (as FLA's chunk_kda names it): keep the forward's per-chunk states and v_new,
+    and w (with gk the gated q and k too) where the forward formed it, for the backward instead of
+    recomputing them there (a faster backward, for about T / 64 * K * V + T * V (+ T * K, with gk
+    3 T * K) more elements of k's and v's dtypes per value head held until the backward has run). Only
     where the forward writes them: the fused SM90 forward and torch.compile's custom ops keep
     none, and recompute as usual (logged once).
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).

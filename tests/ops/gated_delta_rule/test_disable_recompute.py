@@ -34,13 +34,16 @@ def _results(inputs, cotangents, states, reference=False, **kwargs):
     kept = []
     real = autograd.forward
 
-    def forward(*args, **kw):  # records whether the forward handed states to the backward
+    def forward(*args, **kw):  # records what the forward handed to the backward
         out = real(*args, **kw)
-        kept.append(out[-1] is not None)
+        kept.append(out[-1])
         return out
     with tune._PassRecorder() as forward_passes, mock.patch.object(autograd, "forward", forward):
         leaves, o, final = run(inputs, output_final_state=states, **kwargs)
-    forward_passes.kept = any(kept)
+    forward_passes.kept = any(k is not None for k in kept)
+    # w kept, and with gk the gated q and k: the backward need not recompute them
+    forward_passes.kept_wy = any(k is not None and k[2] is not None and (inputs.get("gk") is None or k[4] is not None)
+                                 for k in kept)
     outputs = [o] + ([final] if states else [])
     with tune._PassRecorder() as backward_passes:
         grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents[:len(outputs)])
@@ -74,6 +77,8 @@ def _check(case, dtype):
         assert forward_passes.kept
     # (a fused forward with a cut launches a state pass for the segments' starts, yet keeps nothing)
     assert any(p in kept_passes for p in STATE_PASSES) != forward_passes.kept, kept_passes
+    if forward_passes.kept_wy:
+        assert "recompute_wu" not in kept_passes, kept_passes
     assert kept.keys() == reference.keys()
     check_errors({name: (kept[name], reference[name]) for name in kept}, dtype)
     check_errors({name: (kept[name], recomputed[name]) for name in kept}, dtype)
