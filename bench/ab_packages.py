@@ -1,6 +1,6 @@
 """A/B of two versions of the package in one process: the headline rows of both ops' reports.
 
-    python bench/ab_packages.py --old DIR [--rounds 5]
+    python bench/ab_packages.py --old DIR [--rounds 5] [--only attention|gdn|gdn-kept]
 
 DIR holds a copy of an earlier flash_dma renamed to flash_dma_old (bench/make_old_package.sh
 makes one from a commit). Each row is timed for the old and the new package in alternating
@@ -63,11 +63,16 @@ def attention_rows(pkg):
     return rows
 
 
-def gdn_rows(pkg):
+def gdn_rows(pkg, keep_states=False):
+    """The gated delta rule's headline rows; keep_states times them all with disable_recompute=True
+    (a package from before that option cannot run those)."""
     dev, bf = "cuda", torch.bfloat16
     rows = []
+    kept = {"disable_recompute": True} if keep_states else {}
+    label_tail = " kept" if keep_states else ""
 
     def add(label, B, T, H, K=128, V=128, per_key=False, varlen=None):
+        label += label_tail
         q = torch.randn(B, T, H, K, device=dev, dtype=bf, requires_grad=True)
         k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf).requires_grad_()
         v = torch.randn(B, T, H, V, device=dev, dtype=bf, requires_grad=True)
@@ -81,7 +86,7 @@ def gdn_rows(pkg):
         cu = None if varlen is None else torch.tensor(varlen, device=dev, dtype=torch.int32)
 
         def fwd():
-            return pkg.chunk_gated_delta_rule(q, k, v, g, beta, gk=gk, cu_seqlens=cu)[0]
+            return pkg.chunk_gated_delta_rule(q, k, v, g, beta, gk=gk, cu_seqlens=cu, **kept)[0]
 
         def fwd_bwd():
             torch.autograd.grad(fwd(), leaves, do)
@@ -95,6 +100,8 @@ def gdn_rows(pkg):
     add("gdn B2 T8192 H8 K256 V256", 2, 8192, 8, 256, 256)
     add("kda B2 T4096 H16", 2, 4096, 16, per_key=True)
     add("gdn varlen 3 seqs T12288 H16", 1, 12288, 16, varlen=[0, 1000, 5096, 12288])
+    if keep_states:
+        return rows
     for T in (2048, 8192):
         q = torch.randn(2, T, 16, 128, device=dev, dtype=bf)
         k = F.normalize(torch.randn(2, T, 16, 128, device=dev), dim=-1).to(bf)
@@ -108,14 +115,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--old", required=True, help="folder holding flash_dma_old/")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", choices=("attention", "gdn"))
+    parser.add_argument("--only", choices=("attention", "gdn", "gdn-kept"))
     parser.add_argument("--out")
     args = parser.parse_args()
     sys.path.insert(0, args.old)
     new = importlib.import_module("flash_dma")
     old = importlib.import_module("flash_dma_old")
-    makers = {"attention": attention_rows, "gdn": gdn_rows}
-    names = [args.only] if args.only else list(makers)
+    makers = {"attention": attention_rows, "gdn": gdn_rows,
+              "gdn-kept": lambda pkg: gdn_rows(pkg, keep_states=True)}
+    names = [args.only] if args.only else ["attention", "gdn"]
     lines = [f"A/B {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
              f"{torch.cuda.get_device_name()} torch {torch.__version__}; median of {args.rounds} "
              "alternating rounds of do_bench medians, ms",

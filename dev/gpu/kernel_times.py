@@ -3,6 +3,10 @@ each kernel's mean duration, their sum, and the span from the first kernel's sta
 one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
 
     python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
+        [--keep] [--package flash_dma_old]
+
+--keep passes disable_recompute=True; --package times another copy of the package (one that
+bench/make_old_package.sh made, on PYTHONPATH).
 
 A shape: B, T, H, optionally K<n> (K = V = n) and kda (the per-key gate gk instead of g), and
 with kda "strong" (a quarter of the keys decaying by e^-2.5 to e^-4 a token: every chunk takes
@@ -13,6 +17,7 @@ key past the whole-chunk form, s = 2 most chunks).
 """
 import argparse
 import collections
+import importlib
 import os
 import sys
 
@@ -20,7 +25,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-from flash_dma import chunk_gated_delta_rule  # noqa: E402
 from flash_dma.benchmarks.gdn import kimi_linear_gate  # noqa: E402
 
 
@@ -55,14 +59,18 @@ def main():
     ap.add_argument("shapes", nargs="*", default=["B1 T32768 H16"])
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--keep", action="store_true", help="disable_recompute=True")
+    ap.add_argument("--package", default="flash_dma")
     ns = ap.parse_args()
+    chunk_gated_delta_rule = importlib.import_module(ns.package).chunk_gated_delta_rule
+    keep = {"disable_recompute": True} if ns.keep else {}
     for label in ns.shapes:
         B, T, H, K, per_key, strong, kimi = parse(label)
         leaves, gates = make(B, T, H, K, K, per_key, strong=strong, kimi=kimi)
         do = torch.randn_like(leaves[2])
 
         def step():
-            o, _ = chunk_gated_delta_rule(leaves[0], leaves[1], leaves[2], scale=K ** -0.5, **gates)
+            o, _ = chunk_gated_delta_rule(leaves[0], leaves[1], leaves[2], scale=K ** -0.5, **gates, **keep)
             if ns.backward:
                 o.backward(do)
                 for leaf in leaves:
@@ -84,7 +92,8 @@ def main():
             chunk = events[s * n:(s + 1) * n]
             spans.append(max(e.time_range.end for e in chunk) - min(e.time_range.start for e in chunk))
         total = sum(sum(v) for v in per.values()) / ns.steps
-        print(f"== {label} {'fwd+bwd' if ns.backward else 'fwd'}: {n} kernels a step, kernel sum {total:.0f} us, "
+        what = ("fwd+bwd" if ns.backward else "fwd") + (" kept" if ns.keep else "")
+        print(f"== {ns.package} {label} {what}: {n} kernels a step, kernel sum {total:.0f} us, "
               f"span median {sorted(spans)[len(spans) // 2]:.0f} us")
         for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {sum(times) / ns.steps:8.1f} us  x{len(times) / ns.steps:g}  {name[:90]}")
