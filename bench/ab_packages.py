@@ -1,6 +1,6 @@
 """A/B of two versions of the package in one process: the headline rows of both ops' reports.
 
-    python bench/ab_packages.py --old DIR [--rounds 5] [--only attention|gdn|gdn-kept]
+    python bench/ab_packages.py --old DIR [--rounds 5] [--only attention|gdn|gdn-kept] [--rows kda]
 
 DIR holds a copy of an earlier flash_dma renamed to flash_dma_old (bench/make_old_package.sh
 makes one from a commit). Each row is timed for the old and the new package in alternating
@@ -116,6 +116,7 @@ def main():
     parser.add_argument("--old", required=True, help="folder holding flash_dma_old/")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=("attention", "gdn", "gdn-kept"))
+    parser.add_argument("--rows", help="only the rows whose label holds this text")
     parser.add_argument("--out")
     args = parser.parse_args()
     sys.path.insert(0, args.old)
@@ -130,7 +131,7 @@ def main():
              f"{'row':<48} {'old':>9} {'new':>9} {'new/old':>8}"]
     for name in names:
         torch.manual_seed(0)
-        pairs = list(zip(makers[name](old), makers[name](new)))
+        pairs = [(a, b) for a, b in zip(makers[name](old), makers[name](new)) if args.rows is None or args.rows in a[0]]
         for (label, run_old), (_, run_new) in pairs:
             run_old(), run_new()  # compile and plan outside the timing
             times = {"old": [], "new": []}

@@ -226,10 +226,10 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     dgk = finished = None
     if gk_cum is not None:
         # without grouped value heads the kernel writes the finished dq and dk itself
-        finished = ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a,
-                                                 grads.dq, grads.dk, dbeta, grads.db, scale,
-                                                 final_dtype=grads.dq.shape[2] == H)
-        dgk = ops.key_gates.gate_gradients(plan, layout, grads.db, dg)
+        finished, db = ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a,
+                                                     grads.dq, grads.dk, grads.dk_out, grads.d_last, dbeta, scale,
+                                                     final_dtype=grads.dq.shape[2] == H)
+        dgk = ops.key_gates.gate_gradients(plan, layout, db, dg)
     if finished is not None:
         dq, dk = finished
     elif grads.direct:

@@ -14,7 +14,8 @@ KERNELS = {
                                                "k_gated": BF16, "a_raw": FP32, "aqk": FP32, "needs_blocks": "*i8"},
                     {"T": "i32", "scale": "fp32"}),
     "pair_grad": ("gdn_gated_pair_grad_kernel", {"q": BF16, "k": BF16, "beta": BF16, "gk_cum": FP32, "dp": FP32,
-                                                 "da": FP32, "dq": FP32, "dk": FP32, "dbeta_parts": FP32, "db": FP32,
+                                                 "da": FP32, "dq": FP32, "dk": FP32, "dk_wy": FP32, "d_last": FP32,
+                                                 "dbeta_parts": FP32, "db": FP32,
                                                  "dq_out": BF16, "dk_out": BF16, "needs_blocks": "*i8"},
                   {"T": "i32", "part_stride": "i32", "scale": "fp32"}),
 }

@@ -15,7 +15,7 @@ from .common import (
 
 
 @triton.jit(do_not_specialize=["T", "db_tile_stride"])
-def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, dp,
+def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, dp, d_last,
                         chunk_map, cu_seqlens, T, db_tile_stride, scale,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr,
@@ -25,7 +25,8 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         dk = e^(B_last - B) (v_new D^T) + scale (dP . Gamma)^T q          (partial: + wy terms)
         dw = -dv2 h^T
     and the gate terms dB (before the reverse cumsum). With gk the dP products are left to
-    gdn_gated_pair_grad_kernel: dP is stored instead."""
+    gdn_gated_pair_grad_kernel: dP is stored instead, and of the gate terms only the chunk's last
+    row's extra (d_last, per chunk state): that kernel forms the rest from dq, dk themselves."""
     NK: tl.constexpr = (K + BK - 1) // BK
     hv, head, tok0, n_valid, chunk, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
     rows = tl.arange(0, CHUNK)
@@ -51,7 +52,6 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
         dlast += tl.sum(h_t.to(tl.float32) * dh_t.to(tl.float32), axis=1)
     # each finished tile is stored as soon as it is complete: fewer live at once (it spilled)
     store_tile(dw, -dwa, tok0, rows, HV, hv, K, kcols, n_valid)
-    qt = load_tile(q, tok0, rows, H, head, K, kcols, n_valid)
     kt = load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
     bt, b_last = total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
     dq_t = dqg * tl.exp(bt) * scale
@@ -59,15 +59,15 @@ def gdn_bwd_dqkw_kernel(q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, 
     # B_last: from the kept part of every k (sum of k dk here) and from e^(B_last) h[c]
     last_extra = tl.sum(kt.to(tl.float32) * dk_t, axis=0) + tl.exp(b_last) * dlast
     if HAS_GK:
-        gate = qt.to(tl.float32) * dq_t - kt.to(tl.float32) * dk_t
-        gate += tl.where((rows == n_valid - 1)[:, None], last_extra[None, :], 0.0)
         if k_tile == 0:
             dp_ptrs, dp_mask = square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
             tl.store(dp_ptrs, tl.where(rows[:, None] >= rows[None, :], dpa, 0.0), mask=dp_mask)
         store_tile(dq, dq_t, tok0, rows, HV, hv, K, kcols, n_valid)
         store_tile(dk, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
-        store_tile(db, gate, tok0, rows, HV, hv, K, kcols, n_valid)
+        last_ptrs = d_last + (chunk.to(tl.int64) * HV + hv) * K + kcols
+        tl.store(last_ptrs, last_extra, mask=kcols < K)
     else:
+        qt = load_tile(q, tok0, rows, H, head, K, kcols, n_valid)
         if HAS_G:
             b_row = load_vec(g_cum, tok0, rows, HV, hv, n_valid)
             pg = dpa * scalar_gamma(b_row, b_row, True, rows < n_valid) * scale
@@ -94,10 +94,13 @@ class DqkwGrads:
     """The dqkw pass's outputs, which the WY and pair passes finish."""
     dq: torch.Tensor  # final (input dtype) where `direct`, else fp32 per value head
     dk: torch.Tensor  # partial dk: input dtype where `direct`, else fp32 per value head
-    dk_out: torch.Tensor  # where the WY pass writes the finished dk (dk itself unless direct)
+    # where the WY pass writes the finished dk (dk itself unless direct); with gk its own terms
+    # alone (fp32), which the pair pass adds (it forms the gate terms from both parts)
+    dk_out: torch.Tensor
     dw: torch.Tensor
-    db: torch.Tensor | None  # gate terms: [B, T, HV, K] with gk, per K tile [NK, B, T, HV] with g
+    db: torch.Tensor | None  # gate terms per K tile [NK, B, T, HV] with g and without gk
     d_p: torch.Tensor | None  # dP with gk
+    d_last: torch.Tensor | None  # with gk: the gate terms' last-row extra per chunk state [NS, HV, K]
     k_tiles: int
     direct: bool
 
@@ -116,17 +119,17 @@ def bwd_dqkw(plan, layout: ChunkLayout, q, k, v_new, h, dh, do, dv2, g_cum, gk_c
     # dqkw's partial dk: in the input dtype where the WY kernel finishes it (as FLA keeps both
     # parts; the error against fp64 barely moves), fp32 where more is added (gk, GVA group sums)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype if direct else torch.float32)
-    dk_out = torch.empty_like(k) if direct else dk
+    dk_out = torch.empty_like(k) if direct else torch.empty_like(dk) if has_gk else dk
     dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+    db = d_p = d_last = None
     if has_gk:
-        db = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
         d_p = torch.empty(B, T, HV, CHUNK_ROWS, device=dev, dtype=torch.float32)
-    else:
-        db = torch.empty(k_tiles, B, T, HV, device=dev, dtype=torch.float32) if has_g else None
-        d_p = None
+        d_last = torch.empty(h.numel() // (HV * K * V), HV, K, device=dev, dtype=torch.float32)
+    elif has_g:
+        db = torch.empty(k_tiles, B, T, HV, device=dev, dtype=torch.float32)
     chunk_map, cu = chunk_args(layout)
     launch(gdn_bwd_dqkw_kernel, (layout.num_slots * k_tiles, B * HV),
-           q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, d_p, chunk_map, cu, T,
+           q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, d_p, d_last, chunk_map, cu, T,
            B * T * HV, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g,
            HAS_GK=has_gk, IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return DqkwGrads(dq, dk, dk_out, dw, db, d_p, k_tiles, direct)
+    return DqkwGrads(dq, dk, dk_out, dw, db, d_p, d_last, k_tiles, direct)

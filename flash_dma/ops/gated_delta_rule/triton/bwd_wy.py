@@ -7,7 +7,7 @@ from ....runtime.launch import launch
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     CHUNK, chunk_args, chunk_inverse, chunk_program, load_tile, load_vec, reverse_cumsum,
-    scalar_gamma, square_ptrs, store_tile, store_vec, tile_ptrs, total_gate
+    scalar_gamma, square_ptrs, store_tile, store_vec, total_gate
 )
 
 
@@ -21,7 +21,9 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
     A = StrictTril(diag(beta) (K K^T . Gamma)), given du (= dv2) and dw. One program per
     (chunk, head): dv, dbeta, dk (the partial dk from gdn_bwd_dqkw_kernel plus these terms, into
     dk_out: the final dtype when nothing is added later, else dk itself) and, without gk,
-    dg (the gate terms summed and reverse-cumsummed). With gk, dA is stored for the pair kernel."""
+    dg (the gate terms summed and reverse-cumsummed). With gk, dA is stored for the pair kernel,
+    and dk_out gets these terms alone: their gate terms are k dk_out, which the pair kernel adds
+    (no read of dqkw's dk here, no gate buffer)."""
     hv, head, tok0, n_valid, _ = chunk_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
     tmat, beta_t = chunk_inverse(ai, beta, tok0, rows, hv, HV, n_valid)
@@ -82,7 +84,10 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         # dqkw's part of dk first: an elementwise operand, not pipelined like the product operands,
         # so its load latency overlaps the product below (the WY kernel's top stall where it was
         # read after it)
-        dk_t = load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid).to(tl.float32)
+        if HAS_GK:
+            dk_t = tl.zeros([CHUNK, BK], dtype=tl.float32)
+        else:
+            dk_t = load_tile(dk, tok0, rows, HV, hv, K, kcols, n_valid).to(tl.float32)
         k_t = load_tile(k, tok0, rows, H, head, K, kcols, n_valid)
         dw_t = load_tile(dw, tok0, rows, HV, hv, K, kcols, n_valid).to(kdt)
         bt, _b_last = total_gate(g_cum, gk_cum, tok0, rows, hv, HV, K, kcols, n_valid, HAS_G, HAS_GK)
@@ -90,14 +95,10 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
         dkb = tl.dot(tt_k, dw_t)
         dk_t += dkb * tl.exp(bt) * beta_t[:, None]
         dbeta_t += tl.sum(dkb * kbase, axis=1)
-        gate_w = kbase * beta_t[:, None] * dkb
-        if HAS_GK:
-            db_ptrs, db_mask = tile_ptrs(db, tok0, rows, HV, hv, K, kcols, n_valid)
-            tl.store(db_ptrs, tl.load(db_ptrs, mask=db_mask, other=0.0) + gate_w, mask=db_mask)
-        else:
+        if not HAS_GK:
             # diag(beta) dA k + (dA diag(beta))^T k as one product: (X + X^T) k, X = diag(beta) dA
             dk_t = tl.dot(sym_dab, k_t, acc=dk_t)
-            gate_t += tl.sum(gate_w, axis=1)
+            gate_t += tl.sum(kbase * beta_t[:, None] * dkb, axis=1)
         store_tile(dk_out, dk_t, tok0, rows, HV, hv, K, kcols, n_valid)
     store_vec(dbeta, dbeta_t, tok0, rows, HV, hv, n_valid)
     if HAS_G and not HAS_GK:
@@ -110,9 +111,10 @@ def gdn_bwd_wy_kernel(k, v, beta, g_cum, gk_cum, ai, dw, du, dk, dk_out, dv, dbe
 # Launcher
 # ------------------------------------------------------------------------------------------------
 def bwd_wy(plan, layout: ChunkLayout, k, v, beta, g_cum, gk_cum, ai, dv2, grads):
-    """Back through w, u and T, finishing grads.dk into grads.dk_out (and adding the gate terms
-    to grads.db with gk). -> (dv, dbeta fp32, dg or None, dA or None): dg is complete here
-    without gk (with gk the gate-gradient pass writes it), dA is stored for the pair pass."""
+    """Back through w, u and T, finishing grads.dk into grads.dk_out (with gk: its own terms
+    into grads.dk_out, for the pair pass). -> (dv, dbeta fp32, dg or None, dA or None): dg is
+    complete here without gk (with gk the gate-gradient pass writes it), dA is stored for the
+    pair pass."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device

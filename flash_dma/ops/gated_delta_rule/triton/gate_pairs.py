@@ -17,7 +17,7 @@ from .. import launch_table
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
-    key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_vec, tile_ptrs
+    key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_tile, store_vec, tile_ptrs
 )
 from .key_gates import gate_buffers, key_gate_tile, scalar_gate_cumsum
 
@@ -263,44 +263,54 @@ def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_va
 
 
 @triton.jit
-def finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_part, dq_out, dk_out, tok0, rows, hv, head, n_valid,
-                          cols, scale, dq_r, dka_r, dkp_r, dkc_r,
+def finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_part, dq_out, dk_out, tok0, rows, hv, head,
+                          n_valid, cols, chunk, scale, dq_r, dka_r, dkp_r, dkc_r,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
-    """Adds rows `rows` of the four gradient tiles to db, dq, dk (or writes the finished dq, dk to
-    dq_out, dk_out) and stores their dbeta share. This program owns these rows of its K tile."""
+    """Adds rows `rows` of the four gradient tiles to the dq and dk of the dqkw pass and the dk
+    terms of the WY pass (dk_wy), writes dq and dk (into the fp32 buffers dq, dk, or finished to
+    dq_out, dk_out), the gate terms db of all three passes, and this tile's dbeta share. Each
+    part's gate terms are its operand times its gradient, signed as its decay's exponent:
+        db = q dq - k (dk_dqkw - dk_wy + scale dkp - beta dka + dkc)  (+ d_last on the last row).
+    This program owns these rows of its K tile."""
     q_r = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
     k_r = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
     beta_r = load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]
     # gradient buffers are per value head, fp32
-    ptrs, mask = tile_ptrs(db, tok0, rows, HV, hv, K, cols, n_valid)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * (q_r * dq_r - k_r * dkp_r)
-             + (beta_r * k_r * dka_r - k_r * dkc_r), mask=mask)
     ptrs, mask = tile_ptrs(dq, tok0, rows, HV, hv, K, cols, n_valid)
     dq_r = tl.load(ptrs, mask=mask, other=0.0) + scale * dq_r
+    gate = q_r * dq_r
     if dq_out is not None:
         out_ptrs, _ = tile_ptrs(dq_out, tok0, rows, HV, hv, K, cols, n_valid)
         tl.store(out_ptrs, dq_r.to(dq_out.dtype.element_ty), mask=mask)
     else:
         tl.store(ptrs, dq_r, mask=mask)
     ptrs, mask = tile_ptrs(dk, tok0, rows, HV, hv, K, cols, n_valid)
-    dk_r = tl.load(ptrs, mask=mask, other=0.0) + scale * dkp_r + beta_r * dka_r + dkc_r
+    dk_first = tl.load(ptrs, mask=mask, other=0.0)
+    dk_second = load_tile(dk_wy, tok0, rows, HV, hv, K, cols, n_valid)
+    dk_pairs = scale * dkp_r + beta_r * dka_r + dkc_r
+    gate -= k_r * (dk_first - dk_second + dk_pairs - 2.0 * beta_r * dka_r)
+    dk_r = dk_first + dk_second + dk_pairs
     if dk_out is not None:
         out_ptrs, _ = tile_ptrs(dk_out, tok0, rows, HV, hv, K, cols, n_valid)
         tl.store(out_ptrs, dk_r.to(dk_out.dtype.element_ty), mask=mask)
     else:
         tl.store(ptrs, dk_r, mask=mask)
+    last = tl.load(d_last + (chunk.to(tl.int64) * HV + hv) * K + cols, mask=cols < K, other=0.0)
+    gate += tl.where((rows == n_valid - 1)[:, None], last[None, :], 0.0)
+    store_tile(db, gate, tok0, rows, HV, hv, K, cols, n_valid)
     store_vec(dbeta_part, tl.sum(k_r * dka_r, axis=1), tok0, rows, HV, hv, n_valid)
 
 
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, db,
+                               dq_out, dk_out,
                                needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
         P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
-    given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk, dbeta and the
-    per-key gate terms db. Both share their decay factors and k's right-hand factor, so one
+    given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk (both passes'
+    parts) and dbeta, and writes the per-key gate terms db of all three passes. Both share their decay factors and k's right-hand factor, so one
     program does both: one per (chunk, value head, K tile) (part K tile on grid axis 0), as
     [64, 64] products around each key's middle reference. Where the tile's decays span more
     than 2 CHUNK_FACTOR_EXPONENT over the chunk it sets needs_blocks[program] instead, for
@@ -308,7 +318,7 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
     dq_out, dk_out (H = HV; or None): the finished dq and dk in their own dtype, written there
     instead of adding into the fp32 buffers (this program is the last to touch its tile)."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    hv, head, tok0, n_valid, _, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
+    hv, head, tok0, n_valid, chunk, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
     rows = tl.arange(0, CHUNK)
     cols = k_tile * BK + tl.arange(0, BK)
     gate = key_gate_rows(g_cum, gk_cum, tok0, rows, hv, HV, K, cols, n_valid, HAS_G)
@@ -320,12 +330,14 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_
                                                          head, n_valid, cols, H, HV, K)
         # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a
         # fixed order: atomics across tiles made dbeta vary in its last bits from run to run)
-        finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out,
-                              dk_out, tok0, rows, hv, head, n_valid, cols, scale, dq_c, dka_c, dkp_c, dkc_c, H, HV, K)
+        finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_parts + k_tile.to(tl.int64) * part_stride,
+                              dq_out, dk_out, tok0, rows, hv, head, n_valid, cols, chunk, scale, dq_c, dka_c, dkp_c,
+                              dkc_c, H, HV, K)
 
 
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dbeta_parts, db, dq_out, dk_out,
+def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, db,
+                                      dq_out, dk_out,
                                       needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
                                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                       HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -333,15 +345,16 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
     reference rows, for the (chunk, K tile)s gdn_gated_pair_grad_kernel left (needs_blocks): one
     program per (chunk, value head, K tile), as there; the others exit at once."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    hv, head, tok0, n_valid, _, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
+    hv, head, tok0, n_valid, chunk, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
     if tl.load(blocks_flag(needs_blocks)) != 0:
         cols = k_tile * BK + tl.arange(0, BK)
         for blk in range(0, BLOCKS):
             dq_b, dka_b, dkp_b, dkc_b = block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head,
                                                              n_valid, blk, cols, H, HV, K, HAS_G)
-            finish_pair_gradients(q, k, beta, dq, dk, db, dbeta_parts + k_tile.to(tl.int64) * part_stride,
-                                  dq_out, dk_out, tok0, tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols,
-                                  scale, dq_b, dka_b, dkp_b, dkc_b, H, HV, K)
+            finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db,
+                                  dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out, dk_out, tok0,
+                                  tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols, chunk, scale, dq_b, dka_b,
+                                  dkp_b, dkc_b, H, HV, K)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,24 +388,27 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, sto
     return g_cum, gk_cum, k_gated, q_gated, aqk
 
 
-def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta, db,
+def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta,
                    scale: float, final_dtype: bool = False):
-    """With gk: both pairwise matrices' gradients at once, added to dq, dk, dbeta and db (after
-    the WY kernel: all the adds commute). final_dtype (q/k heads = value heads): -> (dq, dk) in
-    q's and k's dtype, written by the kernel (no fp32 write-back and cast); else None and the
-    sums land in the fp32 dq, dk."""
+    """With gk: both pairwise matrices' gradients at once, added to dqkw's dq, dk, the WY pass's
+    dk terms dk_wy and dbeta, and the per-key gate terms of all three (d_last: dqkw's last-row
+    extra per chunk state). final_dtype (q/k heads = value heads): the finished dq, dk in q's and
+    k's dtype, written by the kernel (no fp32 write-back and cast); else the sums land in the
+    fp32 dq, dk. -> ((dq, dk) or None, db fp32 [B, T, HV, K]): db is written over dk_wy (each
+    element after its own read), which keeps the backward's peak memory."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
     k_tiles = ceil_div(K, plan.launch("pair_grad").block_k)
     dbeta_parts = torch.empty(k_tiles, B, T, HV, device=k.device, dtype=torch.float32)
+    db = dk_wy
     dq_out = torch.empty_like(q) if final_dtype else None
     dk_out = torch.empty_like(k) if final_dtype else None
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
     _whole_chunk_then_blocks(plan, "pair_grad", (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel),
-                             grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dbeta_parts, db, dq_out, dk_out,
-                             needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
+                             grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta_parts, db,
+                             dq_out, dk_out, needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
                              HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
     dbeta += dbeta_parts.sum(0)
-    return (dq_out, dk_out) if final_dtype else None
+    return ((dq_out, dk_out) if final_dtype else None), db
