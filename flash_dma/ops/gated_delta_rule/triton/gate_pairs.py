@@ -178,11 +178,15 @@ def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_
     d_p = tl.where(rows[:, None] >= rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
     m_ptrs, m_mask = square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
     d_a = tl.where(rows[:, None] > rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
-    k_right = k_rows * right
+    # the products take k's dtype (16-bit MMAs for 16-bit inputs, as the other passes' products)
+    dt = k.dtype.element_ty
+    k_right = (k_rows * right).to(dt)
+    d_p = d_p.to(dt)
+    d_a = d_a.to(dt)
     dq_c = tl.dot(d_p, k_right) * left
     dka_c = tl.dot(d_a, k_right) * left
-    q_left = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32) * left
-    bk_left = k_rows * left * load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]
+    q_left = (load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32) * left).to(dt)
+    bk_left = (k_rows * left * load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]).to(dt)
     dkp_c = tl.dot(tl.trans(d_p), q_left) * right
     dkc_c = tl.dot(tl.trans(d_a), bk_left) * right
     return dq_c, dka_c, dkp_c, dkc_c
