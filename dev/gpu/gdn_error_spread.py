@@ -27,7 +27,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     B, T, H, HV, K, V, gate = args.shape.split()
     measured = []
-    cases.check_errors = lambda pairs, dt: {n: cases.rel_err(g, w) for n, (g, w) in pairs.items()}
+    cases.check_errors = lambda pairs, dt, bounds=None: {n: cases.rel_err(g, w) for n, (g, w) in pairs.items()}
     for seed in range(args.seeds):
         torch.manual_seed(seed)
         inputs = cases.make_inputs(int(B), int(T), int(H), int(HV), int(K), int(V), dtype, gate, False,
