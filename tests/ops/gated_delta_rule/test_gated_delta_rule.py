@@ -128,6 +128,17 @@ def test_strong_per_key_decay(gate, decays, keys, monkeypatch):
             assert flagged[0, 0].any() and not flagged[0, 1].any(), (direction, flagged)
 
 
+def test_fp16_with_wide_whole_chunk_decays():
+    """fp16 inputs whose per-key decays span up to about 115 over a chunk: still the whole-chunk
+    gate products, with factors up to e^58, past fp16's range (e^11): the pair gradients must not
+    multiply such factors in fp16 (bf16, with fp32's range, may)."""
+    dtype = torch.float16
+    inputs = make_inputs(1, 70, 1, 1, 32, 16, dtype, "gk", True)
+    low, high = STRONG_DECAYS["whole-chunk-near-limit"]
+    inputs["gk"][..., :16] = -torch.empty_like(inputs["gk"][..., :16]).uniform_(low, high)
+    check_against_reference(inputs, dtype)
+
+
 @pytest.mark.parametrize("layout", ["fixed", "varlen"])
 def test_strong_decay_in_one_chunk_only(layout, monkeypatch):
     """A strong per-key decay on every key of one chunk of one (batch or sequence, value head)
@@ -323,13 +334,14 @@ def test_gpu_real_sizes(shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("decays", list(STRONG_DECAYS))
 @pytest.mark.parametrize("K", [64, 128, 256])
-def test_gpu_strong_per_key_decay(K, decays):
+def test_gpu_strong_per_key_decay(K, decays, dtype):
     """The strong per-key decays of test_strong_per_key_decay on the Hopper table's tiles (K a
     multiple of 64: 32-wide pair-gradient tiles, the whole-chunk and blockwise kernels side by
-    side), on the first quarter of the key channels of every other chunk."""
-    dtype = torch.bfloat16
+    side), on the first quarter of the key channels of every other chunk; in fp16 the whole-chunk
+    factors pass fp16's range."""
     inputs = make_inputs(2, 300, 2, 2, K, 128, dtype, "gk", True)
     low, high = STRONG_DECAYS[decays]
     strong = inputs["gk"][:, :, :, : K // 4]

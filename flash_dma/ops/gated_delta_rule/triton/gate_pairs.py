@@ -178,8 +178,9 @@ def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_
     d_p = tl.where(rows[:, None] >= rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
     m_ptrs, m_mask = square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
     d_a = tl.where(rows[:, None] > rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
-    # the products take k's dtype (16-bit MMAs for 16-bit inputs, as the other passes' products)
-    dt = k.dtype.element_ty
+    # bf16 products for bf16 inputs (bf16 has fp32's range: the factors reach e^60); fp16's range
+    # ends at e^11, so fp16 and fp32 inputs multiply in fp32
+    dt = tl.bfloat16 if k.dtype.element_ty == tl.bfloat16 else tl.float32
     k_right = (k_rows * right).to(dt)
     d_p = d_p.to(dt)
     d_a = d_a.to(dt)
