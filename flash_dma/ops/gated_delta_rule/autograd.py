@@ -67,7 +67,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     a sequence split of the state pass, else None, states: (h, v_new, w, k_gated, q_gated) where
     keep_states asks for them and the forward writes them (the Triton state pass; the fused SM90
     forward writes none), else None; w where the forward formed it (not from T), k_gated and
-    q_gated with gk, else None)."""
+    q_gated with gk, else None; all three None where T is not kept)."""
     ops = BACKENDS[plan.backend]
     split = plan.split_prepare.value
     fused = plan.fused_forward_form()
@@ -76,11 +76,13 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
         decay_bound = torch.empty(layout.num_chunk_states, v.shape[2], device=k.device,
                                   dtype=torch.float32)
     # kept states come with what the backward's recompute of w would give: w and, with gk, the
-    # gated k and q (as FLA's chunk_kda keeps them with disable_recompute)
+    # gated k and q (as FLA's chunk_kda keeps them with disable_recompute), where the backward
+    # reuses T (else it runs the prepare pass again, which forms them anyway)
     keep = keep_states and fused is None
+    keep_wy = keep and plan.keeps_t
     g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                               store_wu=not split and fused is None,
-                                                              store_q_gated=keep, decay_bound=decay_bound)
+                                                              store_q_gated=keep_wy, decay_bound=decay_bound)
     states = None
     if fused is not None:
         if keep_states:
@@ -95,7 +97,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
                                                           output_final_state, decay_bound=decay_bound)
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
         if keep:
-            states = (h, v_new, w, k_gated, q_gated)
+            states = (h, v_new, *((w, k_gated, q_gated) if keep_wy else (None, None, None)))
         del h, v_new, w, u, k_gated, q_gated
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the

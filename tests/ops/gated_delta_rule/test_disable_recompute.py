@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_dma import chunk_gated_delta_rule
-from flash_dma.ops.gated_delta_rule import autograd, tune
+from flash_dma.ops.gated_delta_rule import autograd, launch_table, tune
 from flash_dma.runtime.config import overrides
 
 from conftest import DTYPES
@@ -44,6 +44,7 @@ def _results(inputs, cotangents, states, reference=False, **kwargs):
     # w kept, and with gk the gated q and k: the backward need not recompute them
     forward_passes.kept_wy = any(k is not None and k[2] is not None and (inputs.get("gk") is None or k[4] is not None)
                                  for k in kept)
+    forward_passes.kept_any_wy = any(k is not None and any(t is not None for t in k[2:]) for k in kept)
     outputs = [o] + ([final] if states else [])
     with tune._PassRecorder() as backward_passes:
         grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents[:len(outputs)])
@@ -79,6 +80,9 @@ def _check(case, dtype):
     assert any(p in kept_passes for p in STATE_PASSES) != forward_passes.kept, kept_passes
     if forward_passes.kept_wy:
         assert "recompute_wu" not in kept_passes, kept_passes
+    if forward_passes.kept and not launch_table._recompute_tiles_whole(case[4], case[5]):
+        # T not kept: the backward prepares again, which forms w and the gated q, k itself
+        assert not forward_passes.kept_any_wy, "w or the gated q, k kept where the backward cannot use them"
     assert kept.keys() == reference.keys()
     check_errors({name: (kept[name], reference[name]) for name in kept}, dtype)
     check_errors({name: (kept[name], recomputed[name]) for name in kept}, dtype)
