@@ -315,9 +315,10 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
     """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
         P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
     given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk (both passes'
-    parts) and dbeta, and writes the per-key gate terms db of all three passes. Both share their decay factors and k's right-hand factor, so one
-    program does both: one per (chunk, value head, K tile) (part K tile on grid axis 0), as
-    [64, 64] products around each key's middle reference. Where the tile's decays span more
+    parts) and dbeta, and writes the per-key gate terms db of all three passes. Both share their
+    decay factors and k's right-hand factor, so one program does both: one per (chunk, value
+    head, K tile) (part K tile on grid axis 0), as [64, 64] products around each key's middle
+    reference. Where the tile's decays span more
     than 2 CHUNK_FACTOR_EXPONENT over the chunk it sets needs_blocks[program] instead, for
     gdn_gated_pair_grad_blocks_kernel.
     dq_out, dk_out (H = HV; or None): the finished dq and dk in their own dtype, written there
@@ -365,19 +366,17 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def _whole_chunk_then_blocks(plan, pass_name: str, kernels: tuple, grid: tuple, *args, **constants):
-    """Launches a pass's whole-chunk kernel, then its blockwise kernel on the same grid and K
-    tiles (the whole-chunk entry's BK) with its own warps and stages. -> the whole-chunk entry."""
-    cfg = plan.launch(pass_name)
+def _whole_chunk_then_blocks(plan, pass_name: str, cfg, kernels: tuple, grid: tuple, *args, **constants):
+    """Launches a pass's whole-chunk kernel under its entry cfg, then its blockwise kernel on the
+    same grid and K tiles (cfg's BK) with its own warps and stages."""
     for kernel, own in zip(kernels, (cfg, plan.launch(launch_table.BLOCKWISE_OF[pass_name]))):
         launch(kernel, grid, *args, BK=cfg.block_k, **constants, num_warps=own.num_warps,
                num_stages=own.num_stages)
-    return cfg
 
 
 def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):
-    """With gk: the gate cumsums and gated k (q with store_q_gated), and the gated key-key products into
-    a_raw (prepare inverts them there) and the query-key products P.
+    """With gk: the gate cumsums and gated k (q with store_q_gated), and the gated key-key
+    products into a_raw (prepare inverts them there) and the query-key products P.
     -> (g_cum or None, gk_cum, k_gated, q_gated or None, aqk [B, T, HV, 64] fp32)."""
     B, T, H, K = k.shape
     HV = gk.shape[2]
@@ -386,7 +385,8 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, sto
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    _whole_chunk_then_blocks(plan, "gated_pairs", (gdn_gated_pairs_kernel, gdn_gated_pair_blocks_kernel), grid,
+    _whole_chunk_then_blocks(plan, "gated_pairs", plan.launch("gated_pairs"),
+                             (gdn_gated_pairs_kernel, gdn_gated_pair_blocks_kernel), grid,
                              q, k, g, gk, g_cum, gk_cum, q_gated, k_gated, a_raw, aqk, needs_blocks, chunk_map, cu,
                              T, scale, H=H, HV=HV, K=K, HAS_G=g is not None, STORE_Q_GATED=store_q_gated,
                              IS_VARLEN=layout.is_varlen)
@@ -403,7 +403,8 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     element after its own read), which keeps the backward's peak memory."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
-    k_tiles = ceil_div(K, plan.launch("pair_grad").block_k)
+    cfg = plan.launch("pair_grad")
+    k_tiles = ceil_div(K, cfg.block_k)
     dbeta_parts = torch.empty(k_tiles, B, T, HV, device=k.device, dtype=torch.float32)
     db = dk_wy
     dq_out = torch.empty_like(q) if final_dtype else None
@@ -411,7 +412,7 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
-    _whole_chunk_then_blocks(plan, "pair_grad", (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel),
+    _whole_chunk_then_blocks(plan, "pair_grad", cfg, (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel),
                              grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta_parts, db,
                              dq_out, dk_out, needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
                              HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
