@@ -167,15 +167,22 @@ def main():
     worst = max(errors, key=lambda n: errors[n] if errors[n] == errors[n] else float("inf"))
     ok = all(e <= tol for e in errors.values())  # NaN fails
     form = "all_gather (varlen)" if args.packed else args.form
-    print(f"rank {rank}/{world} ({dist.get_backend()}, {dtype}, {seq_len} tokens, {args.layout}, {form}): "
-          f"loss {total_loss.item():.6f} vs {ref_loss.item():.6f}; worst rel. error {worst} "
-          f"{errors[worst]:.1e} (bound {tol:.0e}); step {cp_time * 1e3:.1f} ms split, "
-          f"{one_time * 1e3:.1f} ms whole (first calls include compilation)", flush=True)
+    say(f"rank {rank}/{world} ({dist.get_backend()}, {dtype}, {seq_len} tokens, {args.layout}, {form}): "
+        f"loss {total_loss.item():.6f} vs {ref_loss.item():.6f}; worst rel. error {worst} "
+        f"{errors[worst]:.1e} (bound {tol:.0e}); step {cp_time * 1e3:.1f} ms split, "
+        f"{one_time * 1e3:.1f} ms whole (first calls include compilation)")
     dist.destroy_process_group()
     if not ok:
-        print(f"rank {rank}: errors over {tol:.0e}: " +
-              ", ".join(f"{n}={e:.1e}" for n, e in errors.items() if not e <= tol), flush=True)
+        say(f"rank {rank}: errors over {tol:.0e}: " +
+            ", ".join(f"{n}={e:.1e}" for n, e in errors.items() if not e <= tol))
         sys.exit(1)
+
+
+def say(line):
+    """One line in one write: the ranks share stdout, and print's separate newline write (unbuffered
+    under PYTHONUNBUFFERED) lets another rank's line land between text and newline."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
