@@ -75,14 +75,10 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     if plan.segment_chunks() is not None and plan.decay_reach_on():
         decay_bound = torch.empty(layout.num_chunk_states, v.shape[2], device=k.device,
                                   dtype=torch.float32)
-    # kept states come with what the backward's recompute of w would give: w and, with gk, the
-    # gated k and q (as FLA's chunk_kda keeps them with disable_recompute), where the backward
-    # reuses T (else it runs the prepare pass again, which forms them anyway)
-    keep = keep_states and fused is None
-    keep_wy = keep and plan.keeps_t
+    keep, keep_w, keep_gated = kept_states_form(plan, gk is not None, keep_states)
     g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                               store_wu=not split and fused is None,
-                                                              store_q_gated=keep_wy, decay_bound=decay_bound)
+                                                              store_q_gated=keep_gated, decay_bound=decay_bound)
     states = None
     if fused is not None:
         if keep_states:
@@ -97,7 +93,7 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
                                                           output_final_state, decay_bound=decay_bound)
         o = ops.output.output(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, scale)
         if keep:
-            states = (h, v_new, *((w, k_gated, q_gated) if keep_wy else (None, None, None)))
+            states = (h, v_new, w if keep_w else None, *((k_gated, q_gated) if keep_gated else (None, None)))
         del h, v_new, w, u, k_gated, q_gated
     # Kept for the backward, as FLA keeps them (not per chunk states), where the backward can
     # reuse them: T and the scalar gate's cumsums; with gk T, the gated pair products and the
@@ -107,6 +103,19 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
     if not plan.keep_gated_pairs:
         gk_cum = aqk = None
     return o, final, g_cum, gk_cum, ai, aqk, segments, states
+
+
+def kept_states_form(plan: DeltaRulePlan, has_gk: bool, keep_states: bool) -> tuple[bool, bool, bool]:
+    """What disable_recompute (keep_states) keeps under this plan: (the per-chunk states and
+    v_new, w, the gated k and q). The fused SM90 forward writes no states. The states come with
+    what the backward's recompute of w would give (as FLA's chunk_kda keeps them): w and, with gk,
+    the gated k and q, where the backward reuses T (else it prepares again, which forms them); w
+    only where the forward forms it (its state pass may read T instead). Shapes only: the custom
+    op's fake function asks too."""
+    states = keep_states and not plan.fused_forward.value
+    with_t = states and plan.keeps_t
+    w = with_t and not (plan.split_prepare.value and plan.states_from_inverse.value)
+    return states, w, with_t and has_gk
 
 
 def log_states_not_kept(reason: str) -> None:

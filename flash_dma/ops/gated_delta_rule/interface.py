@@ -64,9 +64,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     disable_recompute (as FLA's chunk_kda names it): keep the forward's per-chunk states and v_new,
     and w (with gk the gated q and k too) where the forward formed it, for the backward instead of
     recomputing them there (a faster backward, for about T / 64 * K * V + T * V (+ T * K, with gk
-    3 T * K) more elements of k's and v's dtypes per value head held until the backward has run). Only
-    where the forward writes them: the fused SM90 forward and torch.compile's custom ops keep
-    none, and recompute as usual (logged once).
+    3 T * K) more elements of k's and v's dtypes per value head held until the backward has run), under
+    torch.compile too. Only where the forward writes them: the fused SM90 forward keeps none, and
+    recomputes as usual (logged once).
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
     compiling = use_custom_ops()

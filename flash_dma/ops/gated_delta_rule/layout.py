@@ -38,6 +38,18 @@ class ChunkLayout:
             zero_rows_past(self.cu_seqlens, 1, *tensors)
 
 
+    def zero_unused_slots(self, states: torch.Tensor) -> None:
+        """Varlen: per-chunk buffers have num_chunk_states rows, a bound; the rows past the packed
+        sequences' chunks (among the last num_seqs) are read by no kernel and hold what was
+        allocated. Zeroed in place where such a buffer leaves a custom op, whose outputs must be
+        reproducible. No host sync."""
+        if self.chunk_map is None or self.num_seqs == 0:
+            return
+        tail = states[self.num_chunk_states - self.num_seqs:]
+        unused = self.chunk_map[self.num_chunk_states - self.num_seqs:, 0] < 0
+        tail.masked_fill_(unused.view(-1, *([1] * (states.dim() - 1))), 0)
+
+
 # varlen layouts per cu_seqlens object: every layer and both passes of a step share one
 _LAYOUTS = TensorKeyedCache()
 
@@ -45,7 +57,7 @@ _LAYOUTS = TensorKeyedCache()
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> ChunkLayout:
     if cu_seqlens is None:
         nt = ceil_div(seq_len, CHUNK)
-        return ChunkLayout(batch, seq_len, batch, nt, batch * nt, None, None, None)
+        return ChunkLayout(batch, seq_len, batch, nt, chunk_state_count(batch, seq_len, None), None, None, None)
     return _LAYOUTS.get(cu_seqlens, ("layout", seq_len), lambda: varlen_layout(seq_len, cu_seqlens))
 
 
@@ -60,11 +72,19 @@ def _chunk_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
 
 
+def chunk_state_count(batch: int, seq_len: int, num_packed: int | None) -> int:
+    """The first dimension of the per-chunk state buffers: B * NT, or with num_packed sequences
+    (cu_seqlens) a bound known without reading cu_seqlens, as every sequence adds at most one
+    partial chunk."""
+    if num_packed is None:
+        return batch * ceil_div(seq_len, CHUNK)
+    return ceil_div(seq_len, CHUNK) + num_packed
+
+
 def varlen_layout(seq_len: int, cu_seqlens: torch.Tensor) -> ChunkLayout:
     cu = cu_seqlens.to(torch.int32)
     n = cu.numel() - 1
-    # Every sequence adds at most one partial chunk: an upper bound known without reading cu.
-    slots = ceil_div(seq_len, CHUNK) + n
+    slots = chunk_state_count(1, seq_len, n)
     counts = _chunk_counts(cu)
     ends = torch.cumsum(counts, 0).to(torch.int32)
     starts = (ends - counts).to(torch.int32)

@@ -168,16 +168,50 @@ def test_fake_forward_keeps_what_the_forward_keeps():
     q = torch.empty(B, T, H, K, device="meta", dtype=torch.bfloat16)
     gate = torch.empty(B, T, H, K, device="meta", dtype=torch.float32)
     beta = torch.empty(B, T, H, device="meta", dtype=torch.bfloat16)
-    o, _, g_cum, gk_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, None, gate, beta, 0.125, None, False,
-                                                                    None, False)
+    o, _, g_cum, gk_cum, ai, aqk, *_ = _gated_delta_rule_fwd_fake(q, q, q, None, gate, beta, 0.125, None, False,
+                                                                  None, False)
     assert o.shape == (B, T, H, K) and g_cum.numel() == 0
     assert gk_cum.dtype == torch.float32 and gk_cum.shape == (B, T, H, K)
     assert ai.dtype == inverse_buffer(q, H, True).dtype == torch.float32 and ai.shape == (B, T, H, 64)
     assert aqk.dtype == torch.float32 and aqk.shape == (B, T, H, 64)
-    _, _, g_cum, gk_cum, _, _, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], gate, beta, 0.125, None,
-                                                                 False, None, False)
+    _, _, g_cum, gk_cum, *_ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], gate, beta, 0.125, None, False,
+                                                         None, False)
     assert g_cum.shape == (B, T, H) and gk_cum.shape == (B, T, H, K)
-    _, _, g_cum, gk_cum, ai, aqk, _, _ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None,
-                                                                    False, None, False)
+    _, _, g_cum, gk_cum, ai, aqk, *_ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None,
+                                                                  False, None, False)
     assert g_cum.shape == (B, T, H) and g_cum.dtype == torch.float32 and gk_cum.numel() == 0
     assert ai.dtype == inverse_buffer(q, H, False).dtype == torch.bfloat16 and aqk.numel() == 0
+
+
+def test_kept_states_fullgraph_dynamic_varlen():
+    """disable_recompute under torch.compile(dynamic=True): both gates, packed sequences (one
+    empty), K = V = 64 where w and the gated q, k are kept beside the states. The forward op's
+    fake function sizes the kept tensors from symbolic sizes (plan_for_sizes plans them
+    unmemoised); a second set of lengths runs through the same graph; opcheck compares the fake
+    function's outputs with the real ones."""
+    H, K, V = 1, 64, 64
+    assert keeps_gated_pairs(K, V, True)
+
+    def loss(q, k, v, g_raw, gk_raw, beta_raw, cu):
+        o, _ = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw), cu_seqlens=cu,
+                                      gk=F.logsigmoid(gk_raw), disable_recompute=True)
+        return o.sin().sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
+    for lengths in ([7, 0, 5], [3, 66, 0]):
+        T = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
+        leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H), _leaf(1, T, H, K),
+                  _leaf(1, T, H)]
+        want = loss(*leaves, cu)
+        want_grads = torch.autograd.grad(want, leaves)
+        got = compiled(*leaves, cu)
+        assert_same(f"loss {lengths}", got, want)
+        for i, (a, b) in enumerate(zip(torch.autograd.grad(got, leaves), want_grads)):
+            assert_same(f"grad of input {i} {lengths}", a, b)
+    assert counter.frame_count == 1, f"{counter.frame_count} compilations for two sets of lengths"
+    q, k, v, g_raw, gk_raw, beta_raw = (x.detach() for x in leaves)
+    torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, F.logsigmoid(g_raw), F.logsigmoid(gk_raw),
+                                                 torch.sigmoid(beta_raw), 0.125, None, False, cu, True, True))

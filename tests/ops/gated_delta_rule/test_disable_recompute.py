@@ -111,22 +111,39 @@ def test_no_states_kept_without_a_backward():
     assert torch.equal(o_kept, o)
 
 
-def test_flag_traces_under_torch_compile_fullgraph():
-    """torch.compile's custom ops keep no states: the flag must still trace in one graph (its
-    fallback is logged by the op's eager run, not at trace time) and change no result."""
-    import torch.nn.functional as F
+@pytest.mark.parametrize("name", ["odd-T", "gk-only", "K64-kept-pairs-g+gk-gva", "varlen-0-1-gk", "varlen-cut"])
+def test_kept_states_under_torch_compile(name):
+    """torch.compile's custom ops keep what the eager Function keeps (autograd.kept_states_form,
+    sized by the forward op's fake function): the compiled backward runs no state pass (nor
+    recompute_wu where w is kept), and the compiled call (fullgraph, AOTAutograd) returns what
+    the eager one does, gradients included."""
+    case = CASES[name]
+    inputs, kwargs, cotangents = _inputs(case)
+    states, extra = case[7], case[9]
+    names = [n for n, t in inputs.items() if t is not None]
 
-    B, T, H, K = 1, 9, 1, 16
+    def call(*leaves):
+        x = dict(zip(names, leaves))
+        return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x.get("g"), x["beta"],
+                                      initial_state=x.get("initial_state"), gk=x.get("gk"),
+                                      output_final_state=states, disable_recompute=True, **kwargs)
 
-    def loss(q, k, v, g_raw, beta_raw, keep):
-        o, _ = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw), disable_recompute=keep)
-        return (o ** 2).sum()
-
-    torch.manual_seed(0)
-    leaves = [torch.randn(*s, device=DEVICE, requires_grad=True) for s in [(B, T, H, K)] * 3 + [(B, T, H)] * 2]
-    torch._dynamo.reset()
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    got = torch.autograd.grad(compiled(*leaves, True), leaves)
-    want = torch.autograd.grad(loss(*leaves, False), leaves)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    with overrides(**extra):
+        eager, forward_passes, _ = _results(inputs, cotangents, states, disable_recompute=True, **kwargs)
+        torch._dynamo.reset()
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+        leaves = [inputs[n].clone().requires_grad_() for n in names]
+        o, final = compiled(*leaves)
+        outputs = [o] + ([final] if states else [])
+        with tune._PassRecorder() as backward_passes:
+            grads = torch.autograd.grad(outputs, leaves, cotangents[:len(outputs)])
+    if DEVICE == "cpu":
+        assert forward_passes.kept
+    assert any(p in backward_passes.seen for p in STATE_PASSES) != forward_passes.kept, backward_passes.seen
+    if forward_passes.kept_wy:
+        assert "recompute_wu" not in backward_passes.seen, backward_passes.seen
+    got = {"o": o, **({"final_state": final} if states else {}), **{"d" + n: g for n, g in zip(names, grads)}}
+    assert got.keys() == eager.keys()
+    for key in got:
+        assert not torch.isnan(got[key]).any(), key
+        assert torch.equal(got[key], eager[key]), f"{key}: the compiled call differs from the eager one"
