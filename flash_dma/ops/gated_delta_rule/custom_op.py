@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ...runtime.custom_ops import absent, present
 from ...runtime.config import ceil_div
@@ -51,6 +52,9 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward, keep_states=keep_states)
         o, final, g_cum, gk_cum, ai, aqk, segments, states, layout, _ = run_forward(*args, keep_states)
+        # an op's outputs must be reproducible: the rows no kernel writes (packed tokens past the
+        # last offset, chunk slots past the sequences' chunks) are zeroed
+        layout.zero_rows_outside(g_cum, gk_cum, ai, aqk, *(states[1:] if states is not None else ()))
         if states is not None:
             layout.zero_unused_slots(states[0])
     # the backward's reach (segments.py) does not cross the op boundary: there bwd_dhu's local
@@ -90,7 +94,7 @@ def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, outpu
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
     num_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    kept_states = _kept_states_fake(q, k, v, g, gk, num_seqs, cu_seqlens is not None, keep_states)
+    states_kept, kept_states = _kept_states_fake(q, k, v, g, gk, num_seqs, cu_seqlens is not None, keep_states)
     final = q.new_empty((num_seqs, HV, K, V), dtype=torch.float32) if output_final_state else absent(q)
     keep_g_cum, keep_gk_cum, keep_ai, keep_aqk = _kept_for_backward(k, v, g, gk)
     g_cum = q.new_empty((B, T, HV), dtype=torch.float32) if keep_g_cum else absent(q)
@@ -102,25 +106,29 @@ def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, outpu
     slots = _segment_slots(q, v, cu_seqlens)
     if slots is None:
         return o, final, g_cum, gk_cum, ai, aqk, absent(q), absent(q), *kept_states
-    starts = absent(q) if kept_states[0].numel() else q.new_empty((slots, HV, K, V), dtype=torch.float32)
+    starts = absent(q) if states_kept else q.new_empty((slots, HV, K, V), dtype=torch.float32)
     return (o, final, g_cum, gk_cum, ai, aqk, starts, q.new_empty((slots, HV, K, K), dtype=torch.float32),
             *kept_states)
 
 
-def _kept_states_fake(q, k, v, g, gk, num_seqs: int, varlen: bool, keep_states: bool) -> tuple:
-    """The forward op's (h, v_new, w, k_gated, q_gated) as disable_recompute keeps them
-    (autograd.kept_states_form), absent placeholders where not kept."""
+def _kept_states_fake(q, k, v, g, gk, num_seqs, varlen: bool, keep_states: bool) -> tuple[bool, tuple]:
+    """(whether the states are kept, the forward op's (h, v_new, w, k_gated, q_gated)) as
+    disable_recompute keeps them (autograd.kept_states_form), absent placeholders where not kept.
+    What is kept follows the plan, which reads the sizes: traced with dynamic sizes, those are
+    specialised (guarded), so a new size compiles again rather than meet a plan made for another."""
     if not keep_states:
-        return tuple(absent(q) for _ in range(5))  # distinct: outputs must not alias
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    plan = plan_for_sizes(q, v, g is not None, gk is not None, B, T, num_seqs, varlen)
+        return False, tuple(absent(q) for _ in range(5))  # distinct: outputs must not alias
+    B, T, H, K = (guard_int(size) for size in q.shape)
+    HV, V = guard_int(v.shape[2]), guard_int(v.shape[3])
+    num_seqs = guard_int(num_seqs)
+    plan = plan_for_sizes(q.device, q.dtype, B, T, H, HV, K, V, num_seqs, varlen, g is not None, gk is not None)
     states, w, gated = kept_states_form(plan, gk is not None, keep_states)
     if not states:
-        return tuple(absent(q) for _ in range(5))  # distinct: outputs must not alias
+        return False, tuple(absent(q) for _ in range(5))
     h = k.new_empty((chunk_state_count(B, T, num_seqs if varlen else None), HV, K, V))
-    return (h, v.new_empty(v.shape), k.new_empty((B, T, HV, K)) if w else absent(q),
-            k.new_empty((B, T, HV, K)) if gated else absent(q), q.new_empty((B, T, HV, K)) if gated else absent(q))
+    return True, (h, v.new_empty(v.shape), k.new_empty((B, T, HV, K)) if w else absent(q),
+                  k.new_empty((B, T, HV, K)) if gated else absent(q),
+                  q.new_empty((B, T, HV, K)) if gated else absent(q))
 
 
 @torch.library.custom_op("flash_dma::gated_delta_rule_bwd", mutates_args=())

@@ -39,15 +39,13 @@ class ChunkLayout:
 
 
     def zero_unused_slots(self, states: torch.Tensor) -> None:
-        """Varlen: per-chunk buffers have num_chunk_states rows, a bound; the rows past the packed
-        sequences' chunks (among the last num_seqs) are read by no kernel and hold what was
+        """Varlen: per-chunk buffers have num_chunk_states rows, a bound; the packed sequences'
+        chunks take the first rows, and the rest are read by no kernel and hold what was
         allocated. Zeroed in place where such a buffer leaves a custom op, whose outputs must be
         reproducible. No host sync."""
-        if self.chunk_map is None or self.num_seqs == 0:
-            return
-        tail = states[self.num_chunk_states - self.num_seqs:]
-        unused = self.chunk_map[self.num_chunk_states - self.num_seqs:, 0] < 0
-        tail.masked_fill_(unused.view(-1, *([1] * (states.dim() - 1))), 0)
+        if self.chunk_map is not None:
+            used = (self.chunk_map[:, 0] >= 0).sum().to(torch.int32).view(1)
+            zero_rows_past(used, 0, states)
 
 
 # varlen layouts per cu_seqlens object: every layer and both passes of a step share one

@@ -262,17 +262,15 @@ def _memoised(key: tuple, build: Callable[[], DeltaRulePlan]) -> DeltaRulePlan:
 
 def plan_call(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, layout: ChunkLayout) -> DeltaRulePlan:
     """The plan of one chunk_gated_delta_rule call (forward and backward), memoised."""
-    return plan_for_sizes(q, v, has_g, has_gk, layout.batch, layout.seq_len, layout.num_seqs, layout.is_varlen)
+    return plan_for_sizes(q.device, q.dtype, layout.batch, layout.seq_len, q.shape[2], v.shape[2], q.shape[3],
+                          v.shape[3], layout.num_seqs, layout.is_varlen, has_g, has_gk)
 
 
-def plan_for_sizes(q: torch.Tensor, v: torch.Tensor, has_g: bool, has_gk: bool, batch: int, seq_len: int,
-                   num_seqs: int, varlen: bool) -> DeltaRulePlan:
-    """plan_call's plan from the layout's sizes alone (a custom op's fake function has sizes, not
+def plan_for_sizes(device: torch.device, dtype: torch.dtype, batch: int, seq_len: int, H: int, HV: int, K: int,
+                   V: int, num_seqs: int, varlen: bool, has_g: bool, has_gk: bool) -> DeltaRulePlan:
+    """plan_call's plan from the sizes alone (a custom op's fake function has sizes, not
     cu_seqlens' values)."""
-    key = (q.device, q.dtype, batch, seq_len, q.shape[2], v.shape[2], q.shape[3], v.shape[3], num_seqs, varlen,
-           has_g, has_gk, tuning_cache.generation())
-    if any(isinstance(size, torch.SymInt) for size in key):  # traced with dynamic sizes: not hashable
-        return _build(*key[:12])
+    key = (device, dtype, batch, seq_len, H, HV, K, V, num_seqs, varlen, has_g, has_gk, tuning_cache.generation())
     return _memoised(key, lambda: _build(*key[:12]))
 
 

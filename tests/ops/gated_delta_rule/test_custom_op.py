@@ -5,6 +5,7 @@ included; eagerly the autograd Function runs. opcheck tests the ops' registratio
 
 aot_eager (AOTAutograd, no code generation) runs the real kernels: compiled and eager results
 are bitwise equal. fp32 inputs (the interpreter's 16-bit products are slow and bf16 wrong)."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -183,14 +184,21 @@ def test_fake_forward_keeps_what_the_forward_keeps():
     assert ai.dtype == inverse_buffer(q, H, False).dtype == torch.bfloat16 and aqk.numel() == 0
 
 
-def test_kept_states_fullgraph_dynamic_varlen():
+def test_kept_states_fullgraph_dynamic_varlen(monkeypatch):
     """disable_recompute under torch.compile(dynamic=True): both gates, packed sequences (one
-    empty), K = V = 64 where w and the gated q, k are kept beside the states. The forward op's
-    fake function sizes the kept tensors from symbolic sizes (plan_for_sizes plans them
-    unmemoised); a second set of lengths runs through the same graph; opcheck compares the fake
-    function's outputs with the real ones."""
+    empty), K = V = 64 where w and the gated q, k are kept beside the states. What is kept
+    follows the plan, so the forward op's fake function specialises the sizes the plan reads: a
+    second total length compiles again (and is planned for its own size); opcheck compares the
+    fake function's outputs with the real ones."""
+    from flash_dma.ops.gated_delta_rule import plan as plan_module
     H, K, V = 1, 64, 64
     assert keeps_gated_pairs(K, V, True)
+    real_build = plan_module._build
+
+    def build(*key, **kwargs):  # on a GPU the launch table memoises on the sizes: no symbols there
+        assert all(not isinstance(x, torch.SymInt) for x in key), key
+        return real_build(*key, **kwargs)
+    monkeypatch.setattr(plan_module, "_build", build)
 
     def loss(q, k, v, g_raw, gk_raw, beta_raw, cu):
         o, _ = chunk_gated_delta_rule(q, k, v, F.logsigmoid(g_raw), torch.sigmoid(beta_raw), cu_seqlens=cu,
@@ -211,7 +219,34 @@ def test_kept_states_fullgraph_dynamic_varlen():
         assert_same(f"loss {lengths}", got, want)
         for i, (a, b) in enumerate(zip(torch.autograd.grad(got, leaves), want_grads)):
             assert_same(f"grad of input {i} {lengths}", a, b)
-    assert counter.frame_count == 1, f"{counter.frame_count} compilations for two sets of lengths"
+    assert counter.frame_count == 2, f"{counter.frame_count} compilations for two total lengths"
     q, k, v, g_raw, gk_raw, beta_raw = (x.detach() for x in leaves)
     torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, F.logsigmoid(g_raw), F.logsigmoid(gk_raw),
                                                  torch.sigmoid(beta_raw), 0.125, None, False, cu, True, True))
+
+
+@pytest.mark.parametrize("case", ["tokens-past-the-last-offset", "kept-pairs-past-the-last-offset",
+                                  "cut-empty"])
+def test_opcheck_keeping_states(case):
+    """The forward op with disable_recompute: its fake function's kept outputs match the real
+    ones, which are reproducible (opcheck runs the op several times and compares): rows no
+    kernel writes (packed tokens past cu_seqlens[-1], chunk slots past the sequences' chunks)
+    are zeroed; with a forced cut and no tokens the fake keeps no segment starts either."""
+    from flash_dma.runtime.config import overrides
+
+    K, lengths, T, gate, extra = {
+        "tokens-past-the-last-offset": (16, [3, 0], 130, "g", {}),
+        "kept-pairs-past-the-last-offset": (64, [7, 60], 100, "gk", {}),
+        "cut-empty": (16, None, 0, "g", {"gdn_chunks_per_segment": 1}),
+    }[case]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, T, 1, K, device=DEVICE) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, T, 1, device=DEVICE))
+    gk = F.logsigmoid(torch.randn(1, T, 1, K, device=DEVICE)) if gate == "gk" else None
+    beta = torch.rand(1, T, 1, device=DEVICE)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE,
+                                                   dtype=torch.int32)
+    with overrides(**extra):
+        outputs = gated_delta_rule_fwd(q, k, v, g, gk, beta, 0.25, None, False, cu, True, True)
+        assert outputs[8].numel() or T == 0, "no states kept"
+        torch.library.opcheck(gated_delta_rule_fwd, (q, k, v, g, gk, beta, 0.25, None, False, cu, True, True))
