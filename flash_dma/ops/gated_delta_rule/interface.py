@@ -65,8 +65,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     and w (with gk the gated q and k too) where the forward formed it, for the backward instead of
     recomputing them there (a faster backward, for about T / 64 * K * V + T * V (+ T * K, with gk
     3 T * K) more elements of k's and v's dtypes per value head held until the backward has run), under
-    torch.compile too. Only where the forward writes them: the fused SM90 forward keeps none, and
-    recomputes as usual (logged once).
+    torch.compile too (there what is kept depends on the sizes, which are then specialised: a new
+    size compiles again, and a dimension marked dynamic is refused). Only where the forward writes
+    them: the fused SM90 forward keeps none, and recomputes as usual (logged once).
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
     compiling = use_custom_ops()
