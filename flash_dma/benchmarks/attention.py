@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .common import Row, Section, compare, time_ms
+from .common import Row, Section, compare, compiled_flex_attention, time_ms
 
 DTYPE = torch.bfloat16
 
@@ -129,21 +129,9 @@ def sdpa(backend_name: str):
     return build
 
 
-_FLEX_COMPILED = None
-
-
 def flex(case: AttnCase, x: Inputs):
-    global _FLEX_COMPILED
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-    if _FLEX_COMPILED is None:
-        # every case is a new specialisation; past Dynamo's default limit (8) flex_attention
-        # would silently fall back to its slow eager path and the comparison would be wrong
-        import torch._dynamo as dynamo  # (not "import torch._dynamo": that would make torch local)
-        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
-            if hasattr(dynamo.config, knob):
-                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    flex_attention = compiled_flex_attention()
     (q, k, v), bias = _leaves(x, True, True)
     dout = x.dout.transpose(1, 2).contiguous()
     score_mod = None
@@ -178,7 +166,7 @@ def flex(case: AttnCase, x: Inputs):
         block_mask = create_block_mask(causal, None, None, S, S, device=q.device)
 
     def fwd():
-        return _FLEX_COMPILED(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
     return fwd, [q, k, v] + ([bias] if bias is not None else []), dout, True
 
 

@@ -7,6 +7,7 @@ Everything is plain data, so the same rows print as a table and serialise to JSO
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import platform
@@ -78,6 +79,20 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
     """Median milliseconds of fn on the GPU (triton.testing.do_bench: events, L2 flushed)."""
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_flex_attention():
+    """torch.compile'd flex_attention, shared by the reports. Every case is a new specialisation;
+    past Dynamo's default limit (8) flex_attention would silently fall back to its slow eager
+    path and the comparison would be wrong, so the limits are raised first."""
+    import torch._dynamo as dynamo  # (not "import torch._dynamo": that would make torch local)
+    from torch.nn.attention.flex_attention import flex_attention
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .common import Row, Section, compare, time_ms
+from .common import Row, Section, compare, compiled_flex_attention, time_ms
 
 DTYPE = torch.bfloat16
 
@@ -128,20 +128,9 @@ def sdpa(backend_name: str):
     return build
 
 
-_FLEX_COMPILED = None
-
-
 def flex(case: DecodeCase, x: Inputs) -> Runner:
-    global _FLEX_COMPILED
-    from torch.nn.attention.flex_attention import flex_attention
-    if _FLEX_COMPILED is None:
-        import torch._dynamo as dynamo  # (every case is a specialisation; see attention.flex)
-        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
-            if hasattr(dynamo.config, knob):
-                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     from torch.nn.attention.flex_attention import create_block_mask
+    flex_attention = compiled_flex_attention()
     q, k, v = _bhsd(x)
     score_mod = block_mask = None
     if x.mask is not None:  # the key-wise top-w case: bias as a score_mod, the mask as a mask_mod
@@ -155,7 +144,7 @@ def flex(case: DecodeCase, x: Inputs) -> Runner:
         block_mask = create_block_mask(mask_mod, case.B, case.H, case.Sq, case.S, device=q.device)
 
     def run():
-        return _FLEX_COMPILED(q, k, v, score_mod=score_mod, block_mask=block_mask,
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                               enable_gqa=True).transpose(1, 2)
     return run
 
