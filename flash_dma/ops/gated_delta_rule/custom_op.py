@@ -52,10 +52,12 @@ def gated_delta_rule_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, gk: 
     with device_guard(q.device):
         compile_ahead_of_first_call(args, backward=compile_backward, keep_states=keep_states)
         o, final, g_cum, gk_cum, ai, aqk, segments, states, layout, _ = run_forward(*args, keep_states)
-        # an op's outputs must be reproducible: the rows no kernel writes (packed tokens past the
-        # last offset, chunk slots past the sequences' chunks) are zeroed
-        layout.zero_rows_outside(g_cum, gk_cum, ai, aqk, *(states[1:] if states is not None else ()))
         if states is not None:
+            # the rows no kernel writes (packed tokens past the last offset, chunk slots past the
+            # sequences' chunks) are zeroed, so that the op's outputs are reproducible; without
+            # kept states the saved tensors' padding rows stay as allocated, as no one reads them
+            # (a launch each on every compiled varlen call would cost host time)
+            layout.zero_rows_outside(g_cum, gk_cum, ai, aqk, *states[1:])
             layout.zero_unused_slots(states[0])
     # the backward's reach (segments.py) does not cross the op boundary: there bwd_dhu's local
     # pass runs whole segments (the same result, dropped transitions included); with the states
