@@ -37,7 +37,6 @@ class ChunkLayout:
         if self.cu_seqlens is not None:
             zero_rows_past(self.cu_seqlens, 1, *tensors)
 
-
     def zero_unused_slots(self, states: torch.Tensor) -> None:
         """Varlen: per-chunk buffers have num_chunk_states rows, a bound; the packed sequences'
         chunks take the first rows, and the rest are read by no kernel and hold what was

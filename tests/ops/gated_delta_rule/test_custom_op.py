@@ -16,6 +16,8 @@ from flash_dma import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd_dhu
 from flash_dma.ops.gated_delta_rule.custom_op import gated_delta_rule_fwd
 from flash_dma.ops.gated_delta_rule.launch_table import keeps_gated_pairs, keeps_inverse
 
+from .cases import cu_from_lengths
+
 
 def _leaf(*shape):
     return torch.randn(*shape, device=DEVICE, dtype=torch.float32, requires_grad=True)
@@ -210,7 +212,7 @@ def test_kept_states_fullgraph_dynamic_varlen(monkeypatch):
     compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
     for lengths in ([7, 0, 5], [3, 66, 0]):
         T = sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
+        cu = cu_from_lengths(lengths)
         leaves = [_leaf(1, T, H, K), _leaf(1, T, H, K), _leaf(1, T, H, V), _leaf(1, T, H), _leaf(1, T, H, K),
                   _leaf(1, T, H)]
         want = loss(*leaves, cu)
@@ -244,8 +246,7 @@ def test_opcheck_keeping_states(case):
     g = F.logsigmoid(torch.randn(1, T, 1, device=DEVICE))
     gk = F.logsigmoid(torch.randn(1, T, 1, K, device=DEVICE)) if gate == "gk" else None
     beta = torch.rand(1, T, 1, device=DEVICE)
-    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE,
-                                                   dtype=torch.int32)
+    cu = None if lengths is None else cu_from_lengths(lengths)
     with overrides(**extra):
         outputs = gated_delta_rule_fwd(q, k, v, g, gk, beta, 0.25, None, False, cu, True, True)
         assert outputs[8].numel() or T == 0, "no states kept"
