@@ -69,16 +69,22 @@ def test_varlen_attention_in_compiled_code(backend):
     _compare(loss, [q, k, v], backend)
 
 
+@pytest.mark.parametrize("gate", ["g", "gk"])
+@pytest.mark.parametrize("disable_recompute", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gated_delta_rule_in_compiled_code(backend):
+def test_gated_delta_rule_in_compiled_code(backend, disable_recompute, gate):
+    """With disable_recompute the forward op also returns the kept states (autograd.kept_states_form)."""
     B, T, H, K, V = 1, 21, 1, 16, 16
     q, k, v = _leaves((B, T, H, K), (B, T, H, K), (B, T, H, V))
-    g_raw, beta_raw = _leaves((B, T, H), (B, T, H), dtype=torch.float32)
+    gate_shape = (B, T, H) if gate == "g" else (B, T, H, K)
+    g_raw, beta_raw = _leaves(gate_shape, (B, T, H), dtype=torch.float32)
 
     def loss(q, k, v, g_raw, beta_raw):
-        o, final = chunk_gated_delta_rule(q, k, v, torch.nn.functional.logsigmoid(g_raw),
-                                          torch.sigmoid(beta_raw), output_final_state=True,
-                                          use_qk_l2norm_in_kernel=True)
+        decay = torch.nn.functional.logsigmoid(g_raw)
+        o, final = chunk_gated_delta_rule(q, k, v, decay if gate == "g" else None,
+                                          torch.sigmoid(beta_raw), gk=decay if gate == "gk" else None,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          disable_recompute=disable_recompute)
         return (o.float() ** 2).sum() + final.sum()
     _compare(loss, [q, k, v, g_raw, beta_raw], backend)
 
