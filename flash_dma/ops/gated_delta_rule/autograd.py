@@ -41,14 +41,16 @@ def _prepare(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, beta, g, gk, sca
     q e^C) per value head for the state passes; None without gk. decay_bound: a buffer for each
     chunk's transition bound (segments.py), or None."""
     ops = BACKENDS[plan.backend]
-    ai = ops.wy_prepare.inverse_buffer(k, v.shape[2], gk is not None)
-    g_cum = gk_cum = aqk = k_gated = q_gated = None
+    ai = ops.wy_prepare.inverse_buffer(k, v.shape[2])
+    g_cum = gk_cum = aqk = k_gated = q_gated = a_raw = None
     if gk is not None:
         # the gate cumsums and the gated pair products (a kernel of their own) come first; the
         # prepare program then only inverts and forms w, u (all in one program it spilled)
-        g_cum, gk_cum, k_gated, q_gated, aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g, gk, ai, scale,
+        a_raw = ops.wy_prepare.raw_products_buffer(k, v.shape[2], ai)
+        g_cum, gk_cum, k_gated, q_gated, aqk = ops.gate_pairs.gated_pairs(plan, layout, q, k, g, gk, a_raw, scale,
                                                                           store_q_gated)
-    g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu, decay_bound)
+    g_cum, w, u = ops.wy_prepare.prepare(plan, layout, k, v, beta, g, g_cum, gk_cum, ai, store_wu, decay_bound,
+                                         a_raw)
     return g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated
 
 
@@ -237,10 +239,10 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     dgk = finished = None
     if gk_cum is not None:
         # without grouped value heads the kernel writes the finished dq and dk itself
-        finished, db = ops.gate_pairs.pair_gradients(plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a,
-                                                     grads.dq, grads.dk, grads.dk_out, grads.d_last, dbeta, scale,
-                                                     final_dtype=grads.dq.shape[2] == H)
-        dgk = ops.key_gates.gate_gradients(plan, layout, db, dg)
+        finished, db, dbeta_parts = ops.gate_pairs.pair_gradients(
+            plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a, grads.dq, grads.dk, grads.dk_out,
+            grads.d_last, scale, final_dtype=grads.dq.shape[2] == H)
+        dgk, dbeta = ops.key_gates.gate_gradients(plan, layout, db, dg, dbeta, dbeta_parts, beta.dtype)
     if finished is not None:
         dq, dk = finished
     elif grads.direct:

@@ -101,10 +101,8 @@ def _gated_delta_rule_fwd_fake(q, k, v, g, gk, beta, scale, initial_state, outpu
     keep_g_cum, keep_gk_cum, keep_ai, keep_aqk = _kept_for_backward(k, v, g, gk)
     g_cum = q.new_empty((B, T, HV), dtype=torch.float32) if keep_g_cum else absent(q)
     gk_cum = q.new_empty((B, T, HV, K), dtype=torch.float32) if keep_gk_cum else absent(q)
-    # T's buffer (wy_prepare.inverse_buffer): fp32 with gk or for fp32 inputs
-    ai_dtype = torch.float32 if k.dtype == torch.float32 or gk is not None else k.dtype
-    ai = q.new_empty((B, T, HV, CHUNK), dtype=ai_dtype) if keep_ai else absent(q)
-    aqk = q.new_empty((B, T, HV, CHUNK), dtype=torch.float32) if keep_aqk else absent(q)
+    ai = k.new_empty((B, T, HV, CHUNK)) if keep_ai else absent(q)  # wy_prepare.inverse_buffer: k's dtype
+    aqk = q.new_empty((B, T, HV, CHUNK)) if keep_aqk else absent(q)  # gate_pairs.gated_pairs: q's dtype
     slots = _segment_slots(q, v, cu_seqlens)
     if slots is None:
         return o, final, g_cum, gk_cum, ai, aqk, absent(q), absent(q), *kept_states

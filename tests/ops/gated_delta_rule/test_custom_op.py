@@ -162,9 +162,9 @@ def test_sequence_split_segments_cross_the_op_boundary(monkeypatch):
 
 def test_fake_forward_keeps_what_the_forward_keeps():
     """The forward op's fake outputs have the kept tensors' shapes and dtypes (bf16 inputs): with
-    gk T in fp32 (wy_prepare.inverse_buffer), the gated pair products and the per-key gate
-    cumsums in fp32 (and the scalar one with g beside); with the scalar gate alone T in bf16 and
-    its cumsums, no pair products."""
+    gk T and the gated query-key products in bf16 (wy_prepare.inverse_buffer, gate_pairs.gated_pairs)
+    and the per-key gate cumsums in fp32 (and the scalar one with g beside); with the scalar gate
+    alone T in bf16 and its cumsums, no pair products."""
     from flash_dma.ops.gated_delta_rule.custom_op import _gated_delta_rule_fwd_fake
     from flash_dma.ops.gated_delta_rule.triton.wy_prepare import inverse_buffer
     B, T, H, K = 1, 70, 2, 64
@@ -175,15 +175,15 @@ def test_fake_forward_keeps_what_the_forward_keeps():
                                                                   None, False)
     assert o.shape == (B, T, H, K) and g_cum.numel() == 0
     assert gk_cum.dtype == torch.float32 and gk_cum.shape == (B, T, H, K)
-    assert ai.dtype == inverse_buffer(q, H, True).dtype == torch.float32 and ai.shape == (B, T, H, 64)
-    assert aqk.dtype == torch.float32 and aqk.shape == (B, T, H, 64)
+    assert ai.dtype == inverse_buffer(q, H).dtype == torch.bfloat16 and ai.shape == (B, T, H, 64)
+    assert aqk.dtype == q.dtype and aqk.shape == (B, T, H, 64)
     _, _, g_cum, gk_cum, *_ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], gate, beta, 0.125, None, False,
                                                          None, False)
     assert g_cum.shape == (B, T, H) and gk_cum.shape == (B, T, H, K)
     _, _, g_cum, gk_cum, ai, aqk, *_ = _gated_delta_rule_fwd_fake(q, q, q, gate[..., 0], None, beta, 0.125, None,
                                                                   False, None, False)
     assert g_cum.shape == (B, T, H) and g_cum.dtype == torch.float32 and gk_cum.numel() == 0
-    assert ai.dtype == inverse_buffer(q, H, False).dtype == torch.bfloat16 and aqk.numel() == 0
+    assert ai.dtype == inverse_buffer(q, H).dtype == torch.bfloat16 and aqk.numel() == 0
 
 
 def test_kept_states_fullgraph_dynamic_varlen(monkeypatch):

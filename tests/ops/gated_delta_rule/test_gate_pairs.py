@@ -1,7 +1,8 @@
 """The KDA gated-pair kernels compiled for sm_90a on the CPU (Triton's compiler and ptxas): the
 whole-chunk kernels at the Hopper table's tiles spill at most a few words (one kernel holding both
-forms spilled 214 registers' worth under ncu and ran 1.25x slower; the forward's 2-warp tiles,
-measured fastest at K = 128 and 256, spill 32 bytes there and 88 at K = 64)."""
+forms spilled 214 registers' worth under ncu and ran 1.25x slower). The forward's 2-warp tiles,
+measured fastest at K = 128 and 256, spill nothing there with P stored in q's dtype, and 160 bytes
+at K = 64 (88 with P in fp32)."""
 import pytest
 
 from flash_dma.ops.gated_delta_rule import launch_table
@@ -11,14 +12,17 @@ from .cases import compile_for_sm90
 BF16, FP32 = "*bf16", "*fp32"
 KERNELS = {
     "gated_pairs": ("gdn_gated_pairs_kernel", {"q": BF16, "k": BF16, "gk": FP32, "gk_cum": FP32, "q_gated": BF16,
-                                               "k_gated": BF16, "a_raw": FP32, "aqk": FP32, "needs_blocks": "*i8"},
+                                               "k_gated": BF16, "a_raw": FP32, "aqk": BF16, "needs_blocks": "*i8"},
                     {"T": "i32", "scale": "fp32"}),
-    "pair_grad": ("gdn_gated_pair_grad_kernel", {"q": BF16, "k": BF16, "beta": BF16, "gk_cum": FP32, "dp": FP32,
-                                                 "da": FP32, "dq": FP32, "dk": FP32, "dk_wy": FP32, "d_last": FP32,
+    "pair_grad": ("gdn_gated_pair_grad_kernel", {"q": BF16, "k": BF16, "beta": BF16, "gk_cum": FP32, "dp": BF16,
+                                                 "da": BF16, "dq": FP32, "dk": FP32, "dk_wy": FP32, "d_last": FP32,
                                                  "dbeta_parts": FP32, "db": FP32,
                                                  "dq_out": BF16, "dk_out": BF16, "needs_blocks": "*i8"},
                   {"T": "i32", "part_stride": "i32", "scale": "fp32"}),
 }
+
+
+SPILL_BOUND = {64: 192, 128: 64, 256: 64}  # bytes
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])
@@ -30,4 +34,4 @@ def test_whole_chunk_kernels_spill_little(pass_name, K):
                  "BK": cfg.block_k, "HAS_G": False, "STORE_Q_GATED": False, "IS_VARLEN": False}
     compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers, scalars,
                                 constants, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, gluon=False)
-    assert compiled["cubin"] and compiled["spill_bytes"] <= 128, compiled
+    assert compiled["cubin"] and compiled["spill_bytes"] <= SPILL_BOUND[K], compiled

@@ -224,7 +224,8 @@ def test_decayed_segment_kernels_compile_for_sm90(kernel):
     elif kernel == "prepare":
         pointers = {n: "*bf16" for n in ("k", "v", "beta")}
         pointers.update({"g": "*fp32", "g_cum": "*fp32", "gk_cum": "*fp32", "w": "*bf16", "u": "*bf16",
-                         "ai": "*bf16", "decay_bound": "*fp32", "chunk_map": "*i32", "cu_seqlens": "*i32"})
+                         "ai": "*bf16", "a_raw": "*fp32", "decay_bound": "*fp32", "chunk_map": "*i32",
+                         "cu_seqlens": "*i32"})
         args = ("triton.wy_prepare.gdn_prepare_kernel", pointers, {"T": "i32"},
                 {"H": 2, "HV": 4, "K": 128, "V": 128, "BK": 64, "BV": 64, "HAS_G": True, "HAS_GK": False,
                  "IS_VARLEN": False, "STORE_WU": False, "INVERSE_PRECISION": "ieee", "STORE_BOUND": True})

@@ -9,8 +9,8 @@ from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
-    CHUNK, chunk_args, chunk_part_program, load_tile, load_vec, scalar_gamma, square_ptrs,
-    state_ptrs, store_tile, store_vec, total_gate
+    CHUNK, chunk_args, chunk_part_program, load_tile, load_vec, pair_gradient_dtype, scalar_gamma,
+    square_ptrs, state_ptrs, store_tile, store_vec, total_gate
 )
 
 
@@ -99,7 +99,7 @@ class DqkwGrads:
     dk_out: torch.Tensor
     dw: torch.Tensor
     db: torch.Tensor | None  # gate terms per K tile [NK, B, T, HV] with g and without gk
-    d_p: torch.Tensor | None  # dP with gk
+    d_p: torch.Tensor | None  # dP with gk (common.pair_gradient_dtype)
     d_last: torch.Tensor | None  # with gk: the gate terms' last-row extra per chunk state [NS, HV, K]
     k_tiles: int
     direct: bool
@@ -123,7 +123,7 @@ def bwd_dqkw(plan, layout: ChunkLayout, q, k, v_new, h, dh, do, dv2, g_cum, gk_c
     dw = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
     db = d_p = d_last = None
     if has_gk:
-        d_p = torch.empty(B, T, HV, CHUNK_ROWS, device=dev, dtype=torch.float32)
+        d_p = torch.empty(B, T, HV, CHUNK_ROWS, device=dev, dtype=pair_gradient_dtype(q.dtype))
         d_last = torch.empty(h.numel() // (HV * K * V), HV, K, device=dev, dtype=torch.float32)
     elif has_g:
         db = torch.empty(k_tiles, B, T, HV, device=dev, dtype=torch.float32)

@@ -6,8 +6,8 @@ import triton.language as tl
 from ....runtime.launch import launch
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
-    CHUNK, chunk_args, chunk_inverse, chunk_program, load_tile, load_vec, reverse_cumsum,
-    scalar_gamma, square_ptrs, store_tile, store_vec, total_gate
+    CHUNK, chunk_args, chunk_inverse, chunk_program, load_tile, load_vec, pair_gradient_dtype,
+    reverse_cumsum, scalar_gamma, square_ptrs, store_tile, store_vec, total_gate
 )
 
 
@@ -122,7 +122,8 @@ def bwd_wy(plan, layout: ChunkLayout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)
     dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
     dg = torch.empty(B, T, HV, device=dev, dtype=torch.float32) if has_g else None
-    d_a = torch.empty(B, T, HV, CHUNK_ROWS, device=dev, dtype=torch.float32) if has_gk else None
+    d_a = (torch.empty(B, T, HV, CHUNK_ROWS, device=dev, dtype=pair_gradient_dtype(k.dtype)) if has_gk
+           else None)
     cfg = plan.launch("bwd_wy")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_bwd_wy_kernel, (layout.num_slots, B * HV),

@@ -18,6 +18,7 @@ programs per chunk (K tiles, 16-row blocks) put them side by side on grid axis 0
 share the chunk's tiles in L2 (chunk_part_program). Absent tensors are passed as None: their
 kernels read them only under the flag that says they are there.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -29,6 +30,13 @@ from ..layout import ChunkLayout
 CHUNK = tl.constexpr(layout.CHUNK)
 SUB = tl.constexpr(layout.SUB_ROWS)
 BLOCKS = tl.constexpr(layout.BLOCKS_PER_CHUNK)
+
+
+def pair_gradient_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the stored pair-product gradients dP and dA (with gk): the pair-gradient kernel
+    multiplies them in bf16 for bf16 inputs, so bf16 storage rounds them no further; fp16 and
+    fp32 inputs multiply in fp32 there (fp16's range is too short for the decay factors)."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
 
 
 def chunk_args(layout: ChunkLayout) -> tuple:

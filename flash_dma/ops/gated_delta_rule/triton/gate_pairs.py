@@ -194,10 +194,18 @@ def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_
 
 
 @triton.jit
+def pair_grad_tile(base, tok0, rows, HV: tl.constexpr, hv, cols, n_valid):
+    """A [rows, cols] tile of dP or dA (bf16 for bf16 inputs), widened to fp32."""
+    ptrs, mask = square_ptrs(base, tok0, rows, HV, hv, cols, n_valid)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_valid, blk, cols,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_G: tl.constexpr):
     """The same four tiles for the 16 rows of block b ([16, BK]), block pair by block pair:
-    row b of dP, dA gives the gradients of row b's q and beta k, column b those of row b's k."""
+    row b of dP, dA gives the gradients of row b's q and beta k, column b those of row b's k.
+    The products are fp32 here (exact where the decays are strong), so dP and dA are widened."""
     BK: tl.constexpr = cols.shape[0]
     sub = tl.arange(0, SUB)
     rows_b = sub + blk * SUB
@@ -216,16 +224,12 @@ def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_va
             right = (load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
                      * decay_factor(right_exponent, rows_j < n_valid))
             row_factor = decay_factor(left_exponent, valid_b)
-            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
-            dq_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
-            m_ptrs, m_mask = square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
-            dka_b += tl.dot(tl.load(m_ptrs, mask=m_mask, other=0.0), right) * row_factor
+            dq_b += tl.dot(pair_grad_tile(dp, tok0, rows_b, HV, hv, rows_j, n_valid), right) * row_factor
+            dka_b += tl.dot(pair_grad_tile(da, tok0, rows_b, HV, hv, rows_j, n_valid), right) * row_factor
         else:  # the diagonal block (J = b) with a strong decay: column j of dM at a time, exactly
             k_j = load_tile(k, tok0, rows_j, H, head, K, cols, n_valid).to(tl.float32)
-            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
-            m_p = tl.load(m_ptrs, mask=m_mask, other=0.0)
-            m_ptrs, m_mask = square_ptrs(da, tok0, rows_b, HV, hv, rows_j, n_valid)
-            m_a = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            m_p = pair_grad_tile(dp, tok0, rows_b, HV, hv, rows_j, n_valid)
+            m_a = pair_grad_tile(da, tok0, rows_b, HV, hv, rows_j, n_valid)
             for j in range(0, SUB):
                 keep = (sub >= j)[:, None] & valid_b[:, None]
                 decay = tl.exp(tl.where(keep, gate_b - row_of(gate_j, sub, j)[None, :], float("-inf")))
@@ -247,18 +251,14 @@ def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_va
             k_i = (load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32) * left
                    * load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
             col_factor = decay_factor(right_exponent, valid_b)
-            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
-            dkp_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), q_i) * col_factor
-            m_ptrs, m_mask = square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
-            dkc_b += tl.dot(tl.trans(tl.load(m_ptrs, mask=m_mask, other=0.0)), k_i) * col_factor
+            dkp_b += tl.dot(tl.trans(pair_grad_tile(dp, tok0, rows_i, HV, hv, rows_b, n_valid)), q_i) * col_factor
+            dkc_b += tl.dot(tl.trans(pair_grad_tile(da, tok0, rows_i, HV, hv, rows_b, n_valid)), k_i) * col_factor
         else:  # the diagonal block (I = b) with a strong decay: row i of dM at a time, exactly
             q_i = load_tile(q, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
             k_i = (load_tile(k, tok0, rows_i, H, head, K, cols, n_valid).to(tl.float32)
                    * load_vec(beta, tok0, rows_i, HV, hv, n_valid)[:, None])
-            m_ptrs, m_mask = square_ptrs(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
-            m_p = tl.load(m_ptrs, mask=m_mask, other=0.0)
-            m_ptrs, m_mask = square_ptrs(da, tok0, rows_i, HV, hv, rows_b, n_valid)
-            m_a = tl.load(m_ptrs, mask=m_mask, other=0.0)
+            m_p = pair_grad_tile(dp, tok0, rows_i, HV, hv, rows_b, n_valid)
+            m_a = pair_grad_tile(da, tok0, rows_i, HV, hv, rows_b, n_valid)
             for i in range(0, SUB):
                 keep = (sub <= i)[:, None] & (i < n_valid - bi * SUB)
                 decay = tl.exp(tl.where(keep, row_of(gate_i, sub, i)[None, :] - gate_b, float("-inf")))
@@ -377,11 +377,12 @@ def _whole_chunk_then_blocks(plan, pass_name: str, cfg, kernels: tuple, grid: tu
 def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):
     """With gk: the gate cumsums and gated k (q with store_q_gated), and the gated key-key
     products into a_raw (prepare inverts them there) and the query-key products P.
-    -> (g_cum or None, gk_cum, k_gated, q_gated or None, aqk [B, T, HV, 64] fp32)."""
+    -> (g_cum or None, gk_cum, k_gated, q_gated or None, aqk [B, T, HV, 64] in q's dtype)."""
     B, T, H, K = k.shape
     HV = gk.shape[2]
     g_cum, gk_cum, k_gated, q_gated = gate_buffers(q, k, g, gk, store_q_gated)
-    aqk = torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=torch.float32)
+    # P in q's dtype: its readers (the output and local-dv products) round it to that first
+    aqk = torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=q.dtype)
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
@@ -393,14 +394,15 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, sto
     return g_cum, gk_cum, k_gated, q_gated, aqk
 
 
-def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta,
+def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last,
                    scale: float, final_dtype: bool = False):
-    """With gk: both pairwise matrices' gradients at once, added to dqkw's dq, dk, the WY pass's
-    dk terms dk_wy and dbeta, and the per-key gate terms of all three (d_last: dqkw's last-row
+    """With gk: both pairwise matrices' gradients at once, added to dqkw's dq, dk and the WY
+    pass's dk terms dk_wy, and the per-key gate terms of all three (d_last: dqkw's last-row
     extra per chunk state). final_dtype (q/k heads = value heads): the finished dq, dk in q's and
     k's dtype, written by the kernel (no fp32 write-back and cast); else the sums land in the
-    fp32 dq, dk. -> ((dq, dk) or None, db fp32 [B, T, HV, K]): db is written over dk_wy (each
-    element after its own read), which keeps the backward's peak memory."""
+    fp32 dq, dk. -> ((dq, dk) or None, db fp32 [B, T, HV, K], dbeta shares fp32 [NK, B, T, HV]):
+    db is written over dk_wy (each element after its own read), which keeps the backward's peak
+    memory; the gate-gradient pass adds the dbeta shares (key_gates.gate_gradients)."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
     cfg = plan.launch("pair_grad")
@@ -416,5 +418,4 @@ def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_
                              grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta_parts, db,
                              dq_out, dk_out, needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
                              HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
-    dbeta += dbeta_parts.sum(0)
-    return ((dq_out, dk_out) if final_dtype else None), db
+    return ((dq_out, dk_out) if final_dtype else None), db, dbeta_parts

@@ -47,13 +47,14 @@ def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols
     return key_cum, k_rows, q_rows
 
 
-@triton.jit(do_not_specialize=["T"])
-def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
-                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "part_stride"])
+def gdn_gate_grad_kernel(db, dg, dgk, dbeta, dbeta_parts, dbeta_out, chunk_map, cu_seqlens, T, part_stride,
+                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
                          HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """With gk: the per-key gate terms dB, reverse-cumsummed within the chunk, are dgk; their sum
     over keys, reverse-cumsummed, is dg. BK covers all of K (a loop-carried row sum here trips
-    Triton 3.6's thread-locality pass on Hopper)."""
+    Triton 3.6's thread-locality pass on Hopper). Also finishes dbeta: the WY pass's (fp32) plus
+    the pair pass's NK per-K-tile shares, summed in tile order, into dbeta_out in beta's dtype."""
     slot = tl.program_id(0)
     bhv = tl.program_id(1)
     hv = bhv % HV
@@ -64,6 +65,10 @@ def gdn_gate_grad_kernel(db, dg, dgk, chunk_map, cu_seqlens, T,
     store_tile(dgk, reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
     if HAS_G:
         store_vec(dg, reverse_cumsum(tl.sum(d, axis=1)), tok0, rows, HV, hv, n_valid)
+    shares = load_vec(dbeta_parts, tok0, rows, HV, hv, n_valid)
+    for k_tile in tl.static_range(1, NK):
+        shares += load_vec(dbeta_parts + part_stride.to(tl.int64) * k_tile, tok0, rows, HV, hv, n_valid)
+    store_vec(dbeta_out, load_vec(dbeta, tok0, rows, HV, hv, n_valid) + shares, tok0, rows, HV, hv, n_valid)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,14 +91,16 @@ def gate_buffers(q, k, g, gk, store_q_gated: bool):
     return (g_cum, gk_cum, *gated_qk_buffers(q, k, HV, store_q_gated))
 
 
-def gate_gradients(plan, layout: ChunkLayout, db, dg):
+def gate_gradients(plan, layout: ChunkLayout, db, dg, dbeta, dbeta_parts, beta_dtype: torch.dtype):
     """With gk: dgk from the per-key gate terms db, and (dg not None) dg, their sum over keys,
-    both reverse-cumsummed within each chunk. -> dgk."""
+    both reverse-cumsummed within each chunk; and dbeta finished from the WY pass's part (fp32)
+    and the pair pass's per-K-tile shares dbeta_parts [NK, B, T, HV]. -> (dgk, dbeta in beta_dtype)."""
     B, T, HV, K = db.shape
     dgk = torch.empty(B, T, HV, K, device=db.device, dtype=torch.float32)
+    dbeta_out = torch.empty(B, T, HV, device=db.device, dtype=beta_dtype)
     cfg = plan.launch("gate_grad")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
-           db, dg, dgk, chunk_map, cu, T, HV=HV, K=K, BK=cfg.block_k, HAS_G=dg is not None,
-           IS_VARLEN=layout.is_varlen)
-    return dgk
+           db, dg, dgk, dbeta, dbeta_parts, dbeta_out, chunk_map, cu, T, B * T * HV, HV=HV, K=K,
+           BK=cfg.block_k, NK=dbeta_parts.shape[0], HAS_G=dg is not None, IS_VARLEN=layout.is_varlen)
+    return dgk, dbeta_out

@@ -16,7 +16,8 @@ from .common import (
 def _intra_matrix(q, k, g_cum, aqk, tok0, hv, head, n_valid, scale,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                   HAS_G: tl.constexpr, HAS_GK: tl.constexpr):
-    """P = scale Tril(q k^T . Gamma) of one chunk, [64, 64] fp32 (read back when gk made it)."""
+    """P = scale Tril(q k^T . Gamma) of one chunk, [64, 64]: fp32, or read back in q's dtype where
+    the gated-pair kernel made it (gk)."""
     rows = tl.arange(0, CHUNK)
     if HAS_GK:
         ptrs, mask = square_ptrs(aqk, tok0, rows, HV, hv, rows, n_valid)

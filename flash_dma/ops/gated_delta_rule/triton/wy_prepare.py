@@ -87,7 +87,7 @@ def _log_growth(key_norm2, beta_rows):
 
 
 @triton.jit(do_not_specialize=["T"])
-def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chunk_map, cu_seqlens, T,
+def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, a_raw, decay_bound, chunk_map, cu_seqlens, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr,
                        HAS_G: tl.constexpr, HAS_GK: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -96,8 +96,8 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
     """Per chunk: the scalar gate's cumsums, T = (I + A)^-1 (stored) and, with STORE_WU, w and u. Without STORE_WU the caller makes w, u from the stored T with
     gdn_recompute_wu_kernel (two lighter kernels instead of one that spills).
     INVERSE_PRECISION: of the fp32 products of the blockwise inverse ("ieee" or "tf32").
-    With gk the gate cumsums and the gated key products A_raw (in `ai`) come from
-    gdn_gated_pairs_kernel: phase 1 only loads them.
+    With gk the gate cumsums and the gated key products A_raw (in `a_raw`, fp32; it may be ai
+    itself) come from gdn_gated_pairs_kernel: phase 1 only loads them.
     STORE_BOUND (scalar gate, no gk): the chunk's log bound on the norm of its state transition
     into decay_bound [chunks, HV] (segments.py, "Decayed segments"), from the key norms on the
     diagonals of the key products."""
@@ -128,16 +128,16 @@ def gdn_prepare_kernel(k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chun
 
     # Phase 1: the pairwise key products of the 10 lower blocks (read back with gk).
     if HAS_GK:
-        a00 = load_square_block(ai, tok0, 0, 0, HV, hv, n_valid)
-        a10 = load_square_block(ai, tok0, 1, 0, HV, hv, n_valid)
-        a11 = load_square_block(ai, tok0, 1, 1, HV, hv, n_valid)
-        a20 = load_square_block(ai, tok0, 2, 0, HV, hv, n_valid)
-        a21 = load_square_block(ai, tok0, 2, 1, HV, hv, n_valid)
-        a22 = load_square_block(ai, tok0, 2, 2, HV, hv, n_valid)
-        a30 = load_square_block(ai, tok0, 3, 0, HV, hv, n_valid)
-        a31 = load_square_block(ai, tok0, 3, 1, HV, hv, n_valid)
-        a32 = load_square_block(ai, tok0, 3, 2, HV, hv, n_valid)
-        a33 = load_square_block(ai, tok0, 3, 3, HV, hv, n_valid)
+        a00 = load_square_block(a_raw, tok0, 0, 0, HV, hv, n_valid)
+        a10 = load_square_block(a_raw, tok0, 1, 0, HV, hv, n_valid)
+        a11 = load_square_block(a_raw, tok0, 1, 1, HV, hv, n_valid)
+        a20 = load_square_block(a_raw, tok0, 2, 0, HV, hv, n_valid)
+        a21 = load_square_block(a_raw, tok0, 2, 1, HV, hv, n_valid)
+        a22 = load_square_block(a_raw, tok0, 2, 2, HV, hv, n_valid)
+        a30 = load_square_block(a_raw, tok0, 3, 0, HV, hv, n_valid)
+        a31 = load_square_block(a_raw, tok0, 3, 1, HV, hv, n_valid)
+        a32 = load_square_block(a_raw, tok0, 3, 2, HV, hv, n_valid)
+        a33 = load_square_block(a_raw, tok0, 3, 3, HV, hv, n_valid)
     else:
         a00 = tl.zeros([SUB, SUB], dtype=tl.float32)
         a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
@@ -297,19 +297,28 @@ def gdn_recompute_wu_kernel(k, v, beta, g_cum, gk_cum, ai, w, u, q, q_gated, k_g
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
-def inverse_buffer(k, HV: int, has_gk: bool):
-    """The buffer of T = (I + A)^-1 per chunk ([B, T, HV, 64]; with gk the gated key products
-    arrive in it first). In the 16-bit input type: each use rounds T to that type anyway, and
-    its bytes are read up to four times; fp32 where the gated pair products pass through it (gk)
-    or the inputs are fp32."""
+def inverse_buffer(k, HV: int):
+    """The buffer of T = (I + A)^-1 per chunk ([B, T, HV, 64]), in the input type: each use
+    rounds T to that type anyway, and its bytes are read up to four times."""
     B, T = k.shape[:2]
-    dtype = torch.float32 if has_gk or k.dtype == torch.float32 else k.dtype
-    return torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=dtype)
+    return torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=k.dtype)
 
 
-def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool, decay_bound=None):
+def raw_products_buffer(k, HV: int, ai):
+    """With gk, the buffer of the gated key products A_raw (gdn_gated_pairs_kernel writes them,
+    the prepare pass inverts them into T): fp32, so ai itself for fp32 inputs (inverted in
+    place), else a buffer of its own, freed after the prepare pass."""
+    if ai.dtype == torch.float32:
+        return ai
+    B, T = k.shape[:2]
+    return torch.empty(B, T, HV, CHUNK_ROWS, device=k.device, dtype=torch.float32)
+
+
+def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_wu: bool, decay_bound=None,
+            a_raw=None):
     """T = (I + A)^-1 per chunk into ai, the scalar gate's cumsums (unless g_cum is given: with
-    gk they come from the gated-pair kernel), with store_wu w and u, and with decay_bound
+    gk they come from the gated-pair kernel, and the gated key products in a_raw), with store_wu
+    w and u, and with decay_bound
     ([layout.num_chunk_states, HV] fp32; scalar gate, no gk) each chunk's transition bound. -> (g_cum, w, u);
     w, u None without store_wu."""
     B, T, H, K = k.shape
@@ -323,7 +332,7 @@ def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_w
     cfg = plan.launch(plan.prepare_pass)
     chunk_map, cu = chunk_args(layout)
     launch(gdn_prepare_kernel, (layout.num_slots, B * HV),
-           k, v, beta, g, g_cum, gk_cum, w, u, ai, decay_bound, chunk_map, cu, T,
+           k, v, beta, g, g_cum, gk_cum, w, u, ai, a_raw, decay_bound, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
            IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=plan.inverse_precision,
            STORE_BOUND=decay_bound is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
