@@ -174,10 +174,11 @@ def chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv, head, n_
     dM is masked to its triangle here, so the factors of the pairs it drops never meet a product."""
     left, right = chunk_factors(gate, ref, (rows < n_valid)[:, None])
     k_rows = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
+    # the triangles by the loads' masks, not a select after them: half the bytes, fewer registers
     m_ptrs, m_mask = square_ptrs(dp, tok0, rows, HV, hv, rows, n_valid)
-    d_p = tl.where(rows[:, None] >= rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
+    d_p = tl.load(m_ptrs, mask=m_mask & (rows[:, None] >= rows[None, :]), other=0.0)
     m_ptrs, m_mask = square_ptrs(da, tok0, rows, HV, hv, rows, n_valid)
-    d_a = tl.where(rows[:, None] > rows[None, :], tl.load(m_ptrs, mask=m_mask, other=0.0), 0.0)
+    d_a = tl.load(m_ptrs, mask=m_mask & (rows[:, None] > rows[None, :]), other=0.0)
     # bf16 products for bf16 inputs (bf16 has fp32's range: the factors reach e^60); fp16's range
     # ends at e^11, so fp16 and fp32 inputs multiply in fp32
     dt = tl.bfloat16 if k.dtype.element_ty == tl.bfloat16 else tl.float32
