@@ -3,7 +3,7 @@ each kernel's mean duration, their sum, and the span from the first kernel's sta
 one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
 
     python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
-        [--keep] [--package flash_dma_old]
+        [--keep] [--package flash_dma_old] [--config pair_grad=32x16x8x1]
 
 --keep passes disable_recompute=True; --package times another copy of the package (one that
 bench/make_old_package.sh made, on PYTHONPATH).
@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 from flash_dma.benchmarks.gdn import kimi_linear_gate  # noqa: E402
+from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
+from flash_dma.runtime import config  # noqa: E402
 
 
 def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False, kimi=None):
@@ -61,7 +63,11 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--keep", action="store_true", help="disable_recompute=True")
     ap.add_argument("--package", default="flash_dma")
+    ap.add_argument("--config", action="append", default=[],
+                    help="PASS=BKxBVxWARPSxSTAGES: that pass's launch configuration (repeatable)")
     ns = ap.parse_args()
+    launch_configs = {f"gdn_{name}": GdnConfig(*(int(x) for x in value.split("x")))
+                      for name, value in (item.split("=", 1) for item in ns.config)}
     chunk_gated_delta_rule = importlib.import_module(ns.package).chunk_gated_delta_rule
     keep = {"disable_recompute": True} if ns.keep else {}
     for label in ns.shapes:
@@ -75,13 +81,14 @@ def main():
                 o.backward(do)
                 for leaf in leaves:
                     leaf.grad = None
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(ns.steps):
+        with config.overrides(**launch_configs):
+            for _ in range(3):
                 step()
-                torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(ns.steps):
+                    step()
+                    torch.cuda.synchronize()
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         per = collections.defaultdict(list)
         for e in events:
@@ -93,6 +100,7 @@ def main():
             spans.append(max(e.time_range.end for e in chunk) - min(e.time_range.start for e in chunk))
         total = sum(sum(v) for v in per.values()) / ns.steps
         what = ("fwd+bwd" if ns.backward else "fwd") + (" kept" if ns.keep else "")
+        what += "".join(f" {item}" for item in ns.config)
         print(f"== {ns.package} {label} {what}: {n} kernels a step, kernel sum {total:.0f} us, "
               f"span median {sorted(spans)[len(spans) // 2]:.0f} us")
         for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
