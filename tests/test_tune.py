@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import DEVICE
 from flash_dma import cli
 from flash_dma.benchmarks.tune import TuneCase, summary_lines, sweep_case
 from flash_dma.ops.dynamic_mask_attention import launch_table as attention_table
@@ -209,7 +210,7 @@ def test_gdn_sweep_cases_stay_usable_after_the_generator_moves_on(monkeypatch):
     the cases were all collected before any ran (each gate's inputs live as long as its cases)."""
     make = gdn_tune.make_inputs
     monkeypatch.setattr(gdn_tune, "make_inputs", lambda *a, **k: make(*a, **{**k, "dtype": torch.float16}))
-    collected = list(gdn_tune.cases(torch.device("cpu"), True, shape=dict(B=1, T=70, H=1, K=64, V=64),
+    collected = list(gdn_tune.cases(torch.device(DEVICE), True, shape=dict(B=1, T=70, H=1, K=64, V=64),
                                     timer=lambda fn: 1.0))
     assert {c.label.split()[-1] for c in collected} == set(gdn_tune.GATES)
     for case in collected:  # each case runs its own gate's inputs: its pass is among those launched

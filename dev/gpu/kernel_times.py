@@ -3,7 +3,7 @@ each kernel's mean duration, their sum, and the span from the first kernel's sta
 one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
 
     python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
-        [--keep] [--package flash_dma_old] [--config pair_grad=32x16x8x1]
+        [--keep] [--package flash_dma_old] [--config pair_grad=32x16x4x1x168]
 
 --keep passes disable_recompute=True; --package times another copy of the package (one that
 bench/make_old_package.sh made, on PYTHONPATH).
@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="disable_recompute=True")
     ap.add_argument("--package", default="flash_dma")
     ap.add_argument("--config", action="append", default=[],
-                    help="PASS=BKxBVxWARPSxSTAGES: that pass's launch configuration (repeatable)")
+                    help="PASS=BKxBVxWARPSxSTAGES[xMAXREGS]: that pass's launch configuration (repeatable)")
     ns = ap.parse_args()
     launch_configs = {f"gdn_{name}": GdnConfig(*(int(x) for x in value.split("x")))
                       for name, value in (item.split("=", 1) for item in ns.config)}

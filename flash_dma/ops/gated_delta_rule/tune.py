@@ -39,7 +39,8 @@ GATES = ("g", "gk")
 
 
 def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfig]:
-    """The table's entry first, then variations of it: warps and stages, and for passes that tile
+    """The table's entry first, then variations of it: warps and stages, the compiler's own
+    register count where the table caps it, and for passes that tile
     K and V freely, K tiles of 64 up to all of K (the state passes: all of K) and V tiles of 32
     up to 64."""
     kp, vp = config.head_dim_block(K), config.head_dim_block(V)
@@ -59,6 +60,8 @@ def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfi
     for warps in (2, 4, 8):
         for stages in ((2,) if wide_state else (1, 2, 3)):
             add(replace(first, num_warps=warps, num_stages=stages))
+    if first.max_registers:  # the table's register cap against the compiler's own count
+        add(replace(first, max_registers=0))
     if pass_name not in FIXED_TILES:
         for block_k in ((kp,) if sequential else sorted({64, kp})):
             for block_v in sorted({min(32, vp), min(64, vp)}):

@@ -22,7 +22,9 @@ KERNELS = {
 }
 
 
-SPILL_BOUND = {64: 192, 128: 64, 256: 64}  # bytes
+# bytes; the pair gradients run under a register cap (launch_table: three programs an SM), where
+# ptxas spills 72 bytes for bf16 inputs
+SPILL_BOUND = {"gated_pairs": {64: 192, 128: 64, 256: 64}, "pair_grad": {64: 96, 128: 96, 256: 96}}
 
 
 @pytest.mark.parametrize("K", [64, 128, 256])
@@ -33,5 +35,8 @@ def test_whole_chunk_kernels_spill_little(pass_name, K):
     constants = {"g": None, "g_cum": None, "chunk_map": None, "cu_seqlens": None, "H": 16, "HV": 16, "K": K,
                  "BK": cfg.block_k, "HAS_G": False, "STORE_Q_GATED": False, "IS_VARLEN": False}
     compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers, scalars,
-                                constants, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, gluon=False)
-    assert compiled["cubin"] and compiled["spill_bytes"] <= SPILL_BOUND[K], compiled
+                                constants, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                            **cfg.register_cap()}, gluon=False)
+    assert compiled["cubin"] and compiled["spill_bytes"] <= SPILL_BOUND[pass_name][K], compiled
+    if cfg.max_registers:
+        assert compiled["registers"] <= cfg.max_registers, compiled
