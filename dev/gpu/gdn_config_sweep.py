@@ -4,7 +4,7 @@ configuration's gradients checked against the first's (a miscompiled tile shows 
 
     python dev/gpu/gdn_config_sweep.py --pass pair_grad --configs 32x16x4x1,16x16x4x1 ["B2 T4096 H16 kda"]
 
-A configuration is BKxBVxWARPSxSTAGES (launch_table.GdnConfig); the first is the baseline. Shapes
+A configuration is BKxBVxWARPSxSTAGES[xMAXREGS] (launch_table.GdnConfig); the first is the baseline. Shapes
 as dev/gpu/kernel_times.py reads them.
 """
 import argparse
@@ -52,7 +52,8 @@ def main():
     for c in configs:
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads[c], grads[configs[0]]))
         nan = any(torch.isnan(g).any().item() for g in grads[c])
-        print(f"  {c.block_k}x{c.block_v}x{c.num_warps}x{c.num_stages}: {statistics.median(times[c]):.3f} ms, "
+        cap = f"x{c.max_registers}" if c.max_registers else ""
+        print(f"  {c.block_k}x{c.block_v}x{c.num_warps}x{c.num_stages}{cap}: {statistics.median(times[c]):.3f} ms, "
               f"diff {diff:.3g}{' NaN' if nan else ''}")
 
 
