@@ -340,7 +340,7 @@ def compile_for_sm90(kernel: str, pointers: dict, scalars: dict, constants: dict
     """Compile a Gluon (or with gluon False, Triton) kernel (its dotted import path) for sm_90a with Triton's compiler and bundled
     ptxas, no GPU needed: -> {"cubin": bool, "shared": bytes, "mmas": warpgroup MMA instructions,
     "mma_waits": waits for them in the SASS, "registers" and "spill_bytes" (stores and loads) as
-    ptxas -v counts them, without the launch's register cap}. In a fresh process without
+    ptxas -v counts them, under options' maxnreg where given}. In a fresh process without
     TRITON_INTERPRET: the interpreter the CPU tests run in replaces parts of triton.language while
     it runs kernels, which a compile in the same process could meet."""
     import json
