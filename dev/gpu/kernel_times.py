@@ -26,8 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 from flash_dma.benchmarks.gdn import kimi_linear_gate  # noqa: E402
-from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig  # noqa: E402
-from flash_dma.runtime import config  # noqa: E402
 
 
 def make(B, T, H, K=128, V=128, per_key=False, dtype=torch.bfloat16, strong=False, kimi=None):
@@ -66,6 +64,9 @@ def main():
     ap.add_argument("--config", action="append", default=[],
                     help="PASS=BKxBVxWARPSxSTAGES[xMAXREGS]: that pass's launch configuration (repeatable)")
     ns = ap.parse_args()
+    # the package timed reads its own overrides and configuration class (flash_dma_old: its copies)
+    config = importlib.import_module(f"{ns.package}.runtime.config")
+    GdnConfig = importlib.import_module(f"{ns.package}.ops.gated_delta_rule.launch_table").GdnConfig
     launch_configs = {f"gdn_{name}": GdnConfig(*(int(x) for x in value.split("x")))
                       for name, value in (item.split("=", 1) for item in ns.config)}
     chunk_gated_delta_rule = importlib.import_module(ns.package).chunk_gated_delta_rule

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import threading
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Callable, Iterable
 
 import torch
@@ -165,6 +165,15 @@ def cache_key(kernel: str, info: DeviceInfo, block_d: int, dtype: torch.dtype, v
     return f"{info.name}|sm{info.arch}|triton{triton.__version__}|{kernel}|d{block_d}|{dtype}|{variant}"
 
 
+def stored_fields(cfg) -> dict:
+    """A configuration as the tuning cache stores it: its fields, less those at their defaults,
+    so that a field added later (with a default) neither enters entries that older versions of
+    the package read nor changes what they mean."""
+    values = asdict(cfg)
+    return {f.name: values[f.name] for f in fields(cfg)
+            if f.default is MISSING or values[f.name] != f.default}
+
+
 def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, variant: str,
          time_config: Callable[[LaunchConfig], float],
          candidates: Iterable[LaunchConfig], key: str | None = None) -> LaunchConfig:
@@ -189,5 +198,5 @@ def tune(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype, v
             best, best_ms = cfg, ms
     if best is None:
         raise RuntimeError(f"no candidate configuration ran for {key}")
-    tuning_cache.store(key, {**asdict(best)})
+    tuning_cache.store(key, stored_fields(best))
     return best

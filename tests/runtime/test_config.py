@@ -72,3 +72,18 @@ def test_parse_overrides_reads_flags_counts_and_names():
     assert config.parse_overrides("a=True, b=False,c=64,d=ws") == {"a": True, "b": False, "c": 64, "d": "ws"}
     with config.overrides(**config.parse_overrides("gdn_fused_forward=64")):
         assert config.choice("gdn_fused_forward") == config.Chosen(64, "override")
+
+
+def test_tuning_cache_entries_leave_out_fields_at_their_defaults():
+    """What the tuning cache stores: a field at its default (one added later, as GdnConfig's
+    register cap) stays out of the entry, which older versions then still read; the entry gives
+    the configuration back."""
+    from flash_dma.ops.gated_delta_rule.launch_table import GdnConfig
+    from flash_dma.runtime.config import LaunchConfig, stored_fields
+    uncapped, capped = GdnConfig(32, 16, 4, 1), GdnConfig(32, 16, 4, 1, max_registers=168)
+    assert stored_fields(uncapped) == {"block_k": 32, "block_v": 16, "num_stages": 1}  # 4 warps: the default
+    assert stored_fields(capped)["max_registers"] == 168
+    assert GdnConfig(**stored_fields(capped)) == capped and GdnConfig(**stored_fields(uncapped)) == uncapped
+    attention = LaunchConfig(64, 64, 4, 2, warp_specialize=True)
+    assert "exp2_poly" not in stored_fields(attention)
+    assert LaunchConfig(**stored_fields(attention)) == attention

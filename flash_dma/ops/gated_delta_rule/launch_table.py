@@ -65,7 +65,8 @@ def _default(kernel: str, kp: int, vp: int) -> GdnConfig:
     # except the gated-pair kernels' tiles (at most 32 wide; GPU tests cover K = 16 to 256)
     if kernel == "pair_grad":
         # one chunk's K tile per program, no pipeline; capped at 168 registers a thread (ptxas
-        # spills a few words) so that three programs fit an SM, not two: bf16 ran 1.27x faster
+        # spills a few words) so that three programs fit an SM, not two: bf16 ran 1.27x faster on
+        # the H200 (other GPUs untimed; fp32 inputs spill 320 bytes under it, untimed)
         return GdnConfig(min(kp, 32), 16, num_warps=4, num_stages=1, max_registers=168)
     if kernel == "prepare":  # 16-row blocks: 2 warps, a deep pipeline
         return GdnConfig(64, min(vp, 64), num_warps=2, num_stages=3)
@@ -158,8 +159,9 @@ def _choose_cuda(kernel: str, K: int, V: int, device: torch.device, sequences_x_
 
 
 def config_name(cfg: GdnConfig) -> str:
-    """A configuration as the profiling log names it: BK128_BV16_W4_S3."""
-    return f"BK{cfg.block_k}_BV{cfg.block_v}_W{cfg.num_warps}_S{cfg.num_stages}"
+    """A configuration as the profiling log names it: BK128_BV16_W4_S3 (_R168 with a register cap)."""
+    cap = f"_R{cfg.max_registers}" if cfg.max_registers else ""
+    return f"BK{cfg.block_k}_BV{cfg.block_v}_W{cfg.num_warps}_S{cfg.num_stages}{cap}"
 
 
 # ------------------------------------------------------------------------------------------------

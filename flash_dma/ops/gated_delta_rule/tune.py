@@ -53,6 +53,9 @@ def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfi
         if cfg not in out:
             out.append(cfg)
 
+    if first.max_registers:  # the table's register cap against the compiler's own count (quick too)
+        add(replace(first, max_registers=0))
+
     # The state passes hold all of K in one tile. At K = 256 three stages overflow their shared
     # memory, and one made an illegal address (fwd_h and bwd_dhu, 16-wide tiles, H200, Triton 3.6)
     sequential = pass_name in launch_table.SEQUENTIAL
@@ -60,8 +63,6 @@ def candidates_for(pass_name: str, K: int, V: int, quick: bool) -> list[GdnConfi
     for warps in (2, 4, 8):
         for stages in ((2,) if wide_state else (1, 2, 3)):
             add(replace(first, num_warps=warps, num_stages=stages))
-    if first.max_registers:  # the table's register cap against the compiler's own count
-        add(replace(first, max_registers=0))
     if pass_name not in FIXED_TILES:
         for block_k in ((kp,) if sequential else sorted({64, kp})):
             for block_v in sorted({min(32, vp), min(64, vp)}):

@@ -33,9 +33,11 @@ BLOCKS = tl.constexpr(layout.BLOCKS_PER_CHUNK)
 
 
 def pair_gradient_dtype(input_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the stored pair-product gradients dP and dA (with gk): the pair-gradient kernel
-    multiplies them in bf16 for bf16 inputs, so bf16 storage rounds them no further; fp16 and
-    fp32 inputs multiply in fp32 there (fp16's range is too short for the decay factors)."""
+    """dtype of the stored pair-product gradients dP and dA (with gk): the whole-chunk
+    pair-gradient kernel multiplies them in bf16 for bf16 inputs, so bf16 storage rounds them no
+    further there; the blockwise kernel (strong decays) multiplies in fp32 and so meets them
+    rounded to bf16 (errors against fp64 within the tests' bounds). fp16 and fp32 inputs
+    multiply in fp32 (fp16's range is too short for the decay factors): fp32 storage."""
     return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
 
 

@@ -206,7 +206,8 @@ def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_va
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_G: tl.constexpr):
     """The same four tiles for the 16 rows of block b ([16, BK]), block pair by block pair:
     row b of dP, dA gives the gradients of row b's q and beta k, column b those of row b's k.
-    The products are fp32 here (exact where the decays are strong), so dP and dA are widened."""
+    The products are fp32 here (exact where the decays are strong), so dP and dA are widened;
+    for bf16 inputs they arrive rounded to bf16 (common.pair_gradient_dtype)."""
     BK: tl.constexpr = cols.shape[0]
     sub = tl.arange(0, SUB)
     rows_b = sub + blk * SUB
@@ -316,7 +317,7 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
     """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
         P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
     given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk (both passes'
-    parts) and dbeta, and writes the per-key gate terms db of all three passes. Both share their
+    parts), writes the per-key gate terms db of all three passes and this K tile's dbeta share. Both share their
     decay factors and k's right-hand factor, so one program does both: one per (chunk, value
     head, K tile) (part K tile on grid axis 0), as [64, 64] products around each key's middle
     reference. Where the tile's decays span more
@@ -335,8 +336,8 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
     if fits:
         dq_c, dka_c, dkp_c, dkc_c = chunk_pair_gradients(q, k, beta, dp, da, gate, ref, tok0, rows, hv,
                                                          head, n_valid, cols, H, HV, K)
-        # dbeta: this K tile's share into a buffer of its own (the caller sums the tiles in a
-        # fixed order: atomics across tiles made dbeta vary in its last bits from run to run)
+        # dbeta: this K tile's share into a buffer of its own (the gate-gradient kernel sums the
+        # tiles in a fixed order: atomics across tiles made dbeta vary in its last bits from run to run)
         finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_parts + k_tile.to(tl.int64) * part_stride,
                               dq_out, dk_out, tok0, rows, hv, head, n_valid, cols, chunk, scale, dq_c, dka_c, dkp_c,
                               dkc_c, H, HV, K)
