@@ -31,9 +31,13 @@ class GdnConfig:
     num_stages: int = 2
     max_registers: int = 0  # ptxas's cap per thread (Triton's maxnreg); 0: the compiler's own count
 
-    def register_cap(self) -> dict:
-        """The launch option of max_registers: {} where the compiler chooses."""
-        return {"maxnreg": self.max_registers} if self.max_registers else {}
+    def launch_options(self) -> dict:
+        """Triton's launch options of this configuration: warps, stages and, where set, the
+        register cap."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 # Every pass, by the name the table, the overrides (gdn_<pass>) and the profiling log use.

@@ -35,8 +35,7 @@ def test_whole_chunk_kernels_spill_little(pass_name, K):
     constants = {"g": None, "g_cum": None, "chunk_map": None, "cu_seqlens": None, "H": 16, "HV": 16, "K": K,
                  "BK": cfg.block_k, "HAS_G": False, "STORE_Q_GATED": False, "IS_VARLEN": False}
     compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers, scalars,
-                                constants, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                            **cfg.register_cap()}, gluon=False)
+                                constants, cfg.launch_options(), gluon=False)
     assert compiled["cubin"] and compiled["spill_bytes"] <= SPILL_BOUND[pass_name][K], compiled
     if cfg.max_registers:
         assert compiled["registers"] <= cfg.max_registers, compiled

@@ -158,7 +158,7 @@ def _runner(plan, q, k, w, beta, do, dv, g_cum, gk_cum, dh, dv2, scale: float, l
                q, k, w, beta, do, dv, g_cum, gk_cum, start, dh, end, dv2, reach, cu, offsets, T, scale,
                HQ=HQ, HV=HV, K=K, V=columns, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
                HAS_GK=gk_cum is not None, HAS_DHT=start is not None, STORE_DH0=end is not None,
-               IS_VARLEN=is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               IS_VARLEN=is_varlen, **cfg.launch_options(),
                LOCAL_DV=local_dv and flags.get("CONSTANT_TERMS", True), W_FROM_T=w_from_t,
                USE_REACH=reach is not None, **flags)
     return run

@@ -131,5 +131,5 @@ def bwd_dqkw(plan, layout: ChunkLayout, q, k, v_new, h, dh, do, dv2, g_cum, gk_c
     launch(gdn_bwd_dqkw_kernel, (layout.num_slots * k_tiles, B * HV),
            q, k, v_new, h, dh, do, dv2, g_cum, gk_cum, dq, dk, dw, db, d_p, d_last, chunk_map, cu, T,
            B * T * HV, scale, H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g,
-           HAS_GK=has_gk, IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           HAS_GK=has_gk, IS_VARLEN=layout.is_varlen, **cfg.launch_options())
     return DqkwGrads(dq, dk, dk_out, dw, db, d_p, d_last, k_tiles, direct)

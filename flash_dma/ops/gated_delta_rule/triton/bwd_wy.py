@@ -130,5 +130,5 @@ def bwd_wy(plan, layout: ChunkLayout, k, v, beta, g_cum, gk_cum, ai, dv2, grads)
            k, v, beta, g_cum, gk_cum, ai, grads.dw, dv2, grads.dk, grads.dk_out, dv, dbeta,
            grads.db, dg, d_a, chunk_map, cu, T, B * T * HV,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, NK=grads.k_tiles, HAS_G=has_g,
-           HAS_GK=has_gk, IS_VARLEN=layout.is_varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           HAS_GK=has_gk, IS_VARLEN=layout.is_varlen, **cfg.launch_options())
     return dv, dbeta, dg, d_a

@@ -372,8 +372,7 @@ def _whole_chunk_then_blocks(plan, pass_name: str, cfg, kernels: tuple, grid: tu
     """Launches a pass's whole-chunk kernel under its entry cfg, then its blockwise kernel on the
     same grid and K tiles (cfg's BK) with its own warps and stages."""
     for kernel, own in zip(kernels, (cfg, plan.launch(launch_table.BLOCKWISE_OF[pass_name]))):
-        launch(kernel, grid, *args, BK=cfg.block_k, **constants, num_warps=own.num_warps,
-               num_stages=own.num_stages, **own.register_cap())
+        launch(kernel, grid, *args, BK=cfg.block_k, **constants, **own.launch_options())
 
 
 def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, store_q_gated: bool):

@@ -104,5 +104,5 @@ def _intra(plan, layout, q, k, g_cum, gk_cum, aqk, h, v_new, do, scale, out_dtyp
            q, k, g_cum, gk_cum, aqk, h, v_new, do, out, chunk_map, cu, T, scale,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
            HAS_GK=gk_cum is not None, IS_VARLEN=layout.is_varlen, IS_DV=is_dv,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           **cfg.launch_options())
     return out

@@ -120,7 +120,7 @@ def _runner(plan, layout: ChunkLayout, k, v, beta, ai, w, u, g_cum, gk_cum, h, v
                HAS_G=g_cum is not None, HAS_GK=gk_cum is not None, HAS_H0=h0 is not None,
                STORE_HT=ht is not None, WU_FROM_T=from_inverse, IS_VARLEN=is_varlen,
                USE_REACH=decay_bound is not None, STORE_REACH_BACK=reach_back is not None,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+               **cfg.launch_options(), **flags)
     return run
 
 

@@ -335,7 +335,7 @@ def prepare(plan, layout: ChunkLayout, k, v, beta, g, g_cum, gk_cum, ai, store_w
            k, v, beta, g, g_cum, gk_cum, w, u, ai, a_raw, decay_bound, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=has_g, HAS_GK=has_gk,
            IS_VARLEN=layout.is_varlen, STORE_WU=store_wu, INVERSE_PRECISION=plan.inverse_precision,
-           STORE_BOUND=decay_bound is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           STORE_BOUND=decay_bound is not None, **cfg.launch_options())
     return g_cum, w, u
 
 
@@ -355,5 +355,5 @@ def recompute_wu(plan, layout: ChunkLayout, k, v, beta, g_cum, ai, with_u: bool 
     launch(gdn_recompute_wu_kernel, (layout.num_slots, B * HV),
            k, v, beta, g_cum, gk_cum, ai, w, u, q if gated else None, q_gated, k_gated, chunk_map, cu, T,
            H=H, HV=HV, K=K, V=V, BK=cfg.block_k, BV=cfg.block_v, HAS_G=g_cum is not None,
-           IS_VARLEN=layout.is_varlen, STORE_U=with_u, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           IS_VARLEN=layout.is_varlen, STORE_U=with_u, **cfg.launch_options())
     return w, u, k_gated, q_gated
