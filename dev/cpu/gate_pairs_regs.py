@@ -33,7 +33,7 @@ def main():
     for pass_name, (whole, pointers, scalars) in KERNELS.items():
         pointers = dict(pointers)
         if ns.g:
-            pointers.update(g=FP32, g_cum=FP32)
+            pointers.update(g=FP32, g_cum=FP32, **({"dg_parts": FP32} if pass_name == "pair_grad" else {}))
         if ns.varlen:
             pointers.update(chunk_map="*i32", cu_seqlens="*i32")
         for name in (whole, BLOCKWISE[pass_name]):
@@ -41,7 +41,8 @@ def main():
                 block_k, warps = (int(x) for x in config.split("x"))
                 constants = {"H": 16, "HV": 16, "K": ns.K, "BK": block_k, "HAS_G": ns.g, "STORE_Q_GATED": ns.store_q,
                              "IS_VARLEN": ns.varlen}
-                constants.update({n: None for n in ("g", "g_cum", "chunk_map", "cu_seqlens") if n not in pointers})
+                constants.update({n: None for n in ("g", "g_cum", "dg_parts", "chunk_map", "cu_seqlens")
+                                  if n not in pointers and (n != "dg_parts" or pass_name == "pair_grad")})
                 compiled = compile_for_sm90(f"flash_dma.ops.gated_delta_rule.triton.gate_pairs.{name}", pointers,
                                             scalars, constants, {"num_warps": warps, "num_stages": 1}, gluon=False)
                 print(f"{name:36s} BK{block_k} W{warps}: {compiled['registers']} registers, "

@@ -239,10 +239,10 @@ def backward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, sca
     dgk = finished = None
     if gk_cum is not None:
         # without grouped value heads the kernel writes the finished dq and dk itself
-        finished, db, dbeta_parts = ops.gate_pairs.pair_gradients(
+        finished, dgk, dbeta_parts, dg_parts = ops.gate_pairs.pair_gradients(
             plan, layout, q, k, beta, g_cum, gk_cum, grads.d_p, d_a, grads.dq, grads.dk, grads.dk_out,
             grads.d_last, scale, final_dtype=grads.dq.shape[2] == H)
-        dgk, dbeta = ops.key_gates.gate_gradients(plan, layout, db, dg, dbeta, dbeta_parts, beta.dtype)
+        dbeta = ops.key_gates.gate_gradients(plan, layout, dg, dbeta, dbeta_parts, dg_parts, beta.dtype)
     if finished is not None:
         dq, dk = finished
     elif grads.direct:

@@ -127,8 +127,8 @@ def choose(kernel: str, K: int, V: int, device: torch.device, sequences_x_heads:
     forced = overridden(f"gdn_{kernel}")
     if forced is not None:
         return Chosen(forced, "override")
-    if kernel == "gate_grad":  # one program per chunk over all of K: nothing to tune
-        return Chosen(GdnConfig(max(64, head_dim_block(K)), 16), "rule")
+    if kernel == "gate_grad":  # one program per chunk summing [64] vectors: nothing to tune (tiles unused)
+        return Chosen(GdnConfig(64, 16, num_warps=4, num_stages=1), "rule")
     if device.type != "cuda" or interpreter_active():
         kp = head_dim_block(K)
         return Chosen(GdnConfig(kp if kernel in _FULL_K else 16, 16, num_warps=1, num_stages=1), "interpreter")

@@ -17,7 +17,8 @@ from .. import launch_table
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
-    key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_tile, store_vec, tile_ptrs
+    key_gate_rows, load_tile, load_vec, reference_gate, reverse_cumsum, row_of, square_ptrs, store_tile, store_vec,
+    tile_ptrs
 )
 from .key_gates import gate_buffers, key_gate_tile, scalar_gate_cumsum
 
@@ -270,18 +271,21 @@ def block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head, n_va
 
 
 @triton.jit
-def finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_part, dq_out, dk_out, tok0, rows, hv, head,
-                          n_valid, cols, chunk, scale, dq_r, dka_r, dkp_r, dkc_r,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+def finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts, part, dq_out, dk_out, tok0, rows,
+                          hv, head, n_valid, cols, chunk, scale, dq_r, dka_r, dkp_r, dkc_r,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HAS_G: tl.constexpr):
     """Adds rows `rows` of the four gradient tiles to the dq and dk of the dqkw pass and the dk
     terms of the WY pass (dk_wy), writes dq and dk (into the fp32 buffers dq, dk, or finished to
-    dq_out, dk_out), the gate terms db of all three passes, and this tile's dbeta share. Each
-    part's gate terms are its operand times its gradient, signed as its decay's exponent:
+    dq_out, dk_out), this K tile's dbeta share and (HAS_G) its share of the scalar gate's terms
+    (the row sums) at offset `part` of dbeta_parts and dg_parts, and returns the per-key gate
+    terms db of all three passes (zero past n_valid).
+    Each part's gate terms are its operand times its gradient, signed as its decay's exponent:
         db = q dq - k (dk_dqkw - dk_wy + scale dkp - beta dka + dkc)  (+ d_last on the last row).
     This program owns these rows of its K tile."""
     q_r = load_tile(q, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
     k_r = load_tile(k, tok0, rows, H, head, K, cols, n_valid).to(tl.float32)
     beta_r = load_vec(beta, tok0, rows, HV, hv, n_valid)[:, None]
+    last = tl.load(d_last + (chunk.to(tl.int64) * HV + hv) * K + cols, mask=cols < K, other=0.0)
     # gradient buffers are per value head, fp32
     ptrs, mask = tile_ptrs(dq, tok0, rows, HV, hv, K, cols, n_valid)
     dq_r = tl.load(ptrs, mask=mask, other=0.0) + scale * dq_r
@@ -295,6 +299,7 @@ def finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_part, dq_
     dk_first = tl.load(ptrs, mask=mask, other=0.0)
     dk_second = load_tile(dk_wy, tok0, rows, HV, hv, K, cols, n_valid)
     dk_pairs = scale * dkp_r + beta_r * dka_r + dkc_r
+    store_vec(dbeta_parts + part, tl.sum(k_r * dka_r, axis=1), tok0, rows, HV, hv, n_valid)
     gate -= k_r * (dk_first - dk_second + dk_pairs - 2.0 * beta_r * dka_r)
     dk_r = dk_first + dk_second + dk_pairs
     if dk_out is not None:
@@ -302,14 +307,15 @@ def finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_part, dq_
         tl.store(out_ptrs, dk_r.to(dk_out.dtype.element_ty), mask=mask)
     else:
         tl.store(ptrs, dk_r, mask=mask)
-    last = tl.load(d_last + (chunk.to(tl.int64) * HV + hv) * K + cols, mask=cols < K, other=0.0)
     gate += tl.where((rows == n_valid - 1)[:, None], last[None, :], 0.0)
-    store_tile(db, gate, tok0, rows, HV, hv, K, cols, n_valid)
-    store_vec(dbeta_part, tl.sum(k_r * dka_r, axis=1), tok0, rows, HV, hv, n_valid)
+    gate = tl.where((rows < n_valid)[:, None], gate, 0.0)
+    if HAS_G:
+        store_vec(dg_parts + part, tl.sum(gate, axis=1), tok0, rows, HV, hv, n_valid)
+    return gate
 
 
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, db,
+def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts, dgk,
                                dq_out, dk_out,
                                needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
                                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -317,7 +323,9 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
     """Gradients through the two gated pairwise matrices of a chunk (lower triangles), per key gate,
         P_ij = scale sum_k q_i[k] k_j[k] e^(B_i[k] - B_j[k]),  A_ij = sum_k beta_i k_i[k] k_j[k] e^(...),
     given dP (stored by the dqkw kernel) and dA (by the wy kernel): adds to dq, dk (both passes'
-    parts), writes the per-key gate terms db of all three passes and this K tile's dbeta share. Both share their
+    parts), and from the per-key gate terms of all three passes writes dgk (their reverse cumsum
+    down the chunk, since gk enters through its chunk-local cumsum), this K tile's dbeta share
+    and (HAS_G) its share of dg's terms. Both products share their
     decay factors and k's right-hand factor, so one program does both: one per (chunk, value
     head, K tile) (part K tile on grid axis 0), as [64, 64] products around each key's middle
     reference. Where the tile's decays span more
@@ -338,31 +346,39 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
                                                          head, n_valid, cols, H, HV, K)
         # dbeta: this K tile's share into a buffer of its own (the gate-gradient kernel sums the
         # tiles in a fixed order: atomics across tiles made dbeta vary in its last bits from run to run)
-        finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db, dbeta_parts + k_tile.to(tl.int64) * part_stride,
-                              dq_out, dk_out, tok0, rows, hv, head, n_valid, cols, chunk, scale, dq_c, dka_c, dkp_c,
-                              dkc_c, H, HV, K)
+        terms = finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts,
+                                      k_tile.to(tl.int64) * part_stride, dq_out, dk_out, tok0, rows, hv, head,
+                                      n_valid, cols, chunk, scale, dq_c, dka_c, dkp_c, dkc_c, H, HV, K, HAS_G)
+        store_tile(dgk, tl.cumsum(terms, 0, reverse=True), tok0, rows, HV, hv, K, cols, n_valid)
 
 
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, db,
-                                      dq_out, dk_out,
+def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts,
+                                      dgk, dq_out, dk_out,
                                       needs_blocks, chunk_map, cu_seqlens, T, part_stride, scale,
                                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                                       HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The same gradients 16-row block by block, with the forward's factorisation around
     reference rows, for the (chunk, K tile)s gdn_gated_pair_grad_kernel left (needs_blocks): one
-    program per (chunk, value head, K tile), as there; the others exit at once."""
+    program per (chunk, value head, K tile), as there; the others exit at once. Each block's gate
+    terms wait in dgk (fp32) until the last block, then the whole tile is reverse-cumsummed in
+    place (no sum carried through the loop)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     hv, head, tok0, n_valid, chunk, k_tile = chunk_part_program(chunk_map, cu_seqlens, T, H, HV, IS_VARLEN, NK)
     if tl.load(blocks_flag(needs_blocks)) != 0:
         cols = k_tile * BK + tl.arange(0, BK)
         for blk in range(0, BLOCKS):
+            rows = tl.arange(0, SUB) + blk * SUB
             dq_b, dka_b, dkp_b, dkc_b = block_pair_gradients(q, k, beta, g_cum, gk_cum, dp, da, tok0, hv, head,
                                                              n_valid, blk, cols, H, HV, K, HAS_G)
-            finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, db,
-                                  dbeta_parts + k_tile.to(tl.int64) * part_stride, dq_out, dk_out, tok0,
-                                  tl.arange(0, SUB) + blk * SUB, hv, head, n_valid, cols, chunk, scale, dq_b, dka_b,
-                                  dkp_b, dkc_b, H, HV, K)
+            terms = finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts,
+                                          k_tile.to(tl.int64) * part_stride, dq_out, dk_out, tok0, rows, hv, head,
+                                          n_valid, cols, chunk, scale, dq_b, dka_b, dkp_b, dkc_b, H, HV, K, HAS_G)
+            store_tile(dgk, terms, tok0, rows, HV, hv, K, cols, n_valid)
+        tl.debug_barrier()  # every thread's block stores are seen by the tile's loads below
+        rows = tl.arange(0, CHUNK)
+        store_tile(dgk, reverse_cumsum(load_tile(dgk, tok0, rows, HV, hv, K, cols, n_valid)), tok0, rows, HV, hv, K,
+                   cols, n_valid)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,25 +414,27 @@ def gated_pairs(plan, layout: ChunkLayout, q, k, g, gk, a_raw, scale: float, sto
 def pair_gradients(plan, layout: ChunkLayout, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last,
                    scale: float, final_dtype: bool = False):
     """With gk: both pairwise matrices' gradients at once, added to dqkw's dq, dk and the WY
-    pass's dk terms dk_wy, and the per-key gate terms of all three (d_last: dqkw's last-row
-    extra per chunk state). final_dtype (q/k heads = value heads): the finished dq, dk in q's and
-    k's dtype, written by the kernel (no fp32 write-back and cast); else the sums land in the
-    fp32 dq, dk. -> ((dq, dk) or None, db fp32 [B, T, HV, K], dbeta shares fp32 [NK, B, T, HV]):
-    db is written over dk_wy (each element after its own read), which keeps the backward's peak
-    memory; the gate-gradient pass adds the dbeta shares (key_gates.gate_gradients)."""
+    pass's dk terms dk_wy, and from the per-key gate terms of all three (d_last: dqkw's last-row
+    extra per chunk state) dgk itself. final_dtype (q/k heads = value heads): the finished dq, dk
+    in q's and k's dtype, written by the kernel (no fp32 write-back and cast); else the sums land
+    in the fp32 dq, dk. -> ((dq, dk) or None, dgk fp32 [B, T, HV, K], dbeta shares fp32
+    [NK, B, T, HV], with g the shares of dg's terms [NK, B, T, HV] or None): dgk is written over
+    dk_wy (each element after its own read), which keeps the backward's peak memory; the
+    gate-gradient pass sums the shares (key_gates.gate_gradients)."""
     B, T, H, K = k.shape
     HV = gk_cum.shape[2]
     cfg = plan.launch("pair_grad")
     k_tiles = ceil_div(K, cfg.block_k)
     dbeta_parts = torch.empty(k_tiles, B, T, HV, device=k.device, dtype=torch.float32)
-    db = dk_wy
+    dg_parts = torch.empty_like(dbeta_parts) if g_cum is not None else None
+    dgk = dk_wy
     dq_out = torch.empty_like(q) if final_dtype else None
     dk_out = torch.empty_like(k) if final_dtype else None
     chunk_map, cu = chunk_args(layout)
     grid = (layout.num_slots * k_tiles, B * HV)
     needs_blocks = torch.empty(grid[0] * grid[1], device=k.device, dtype=torch.int8)
     _whole_chunk_then_blocks(plan, "pair_grad", cfg, (gdn_gated_pair_grad_kernel, gdn_gated_pair_grad_blocks_kernel),
-                             grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta_parts, db,
-                             dq_out, dk_out, needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
+                             grid, q, k, beta, g_cum, gk_cum, d_p, d_a, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts,
+                             dgk, dq_out, dk_out, needs_blocks, chunk_map, cu, T, B * T * HV, scale, H=H, HV=HV, K=K,
                              HAS_G=g_cum is not None, IS_VARLEN=layout.is_varlen)
-    return ((dq_out, dk_out) if final_dtype else None), db, dbeta_parts
+    return ((dq_out, dk_out) if final_dtype else None), dgk, dbeta_parts, dg_parts

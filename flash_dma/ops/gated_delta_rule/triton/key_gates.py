@@ -1,7 +1,8 @@
 """With the per-key gate gk: tiles of the chunk-local gate cumsums and of the gated k (and q) that
 the state passes read (formed inside the forward's gated-pair kernel, and the gated q, k again in
-the backward's recompute of w and u), and the gates' backward, the reverse cumsum of the per-key
-gate terms."""
+the backward's recompute of w and u), and the last step of the gates' backward: dbeta's and dg's
+per-K-tile shares summed (the pair-gradient kernels write dgk, the reverse cumsum of the per-key
+gate terms, themselves)."""
 import torch
 import triton
 import triton.language as tl
@@ -47,27 +48,32 @@ def key_gate_tile(gk, gk_cum, q, k, q_gated, k_gated, tok0, rows, hv, head, cols
     return key_cum, k_rows, q_rows
 
 
+@triton.jit
+def sum_of_parts(parts, part_stride, NK: tl.constexpr, tok0, rows, hv, HV: tl.constexpr, n_valid):
+    """The NK per-K-tile shares [NK, B, T, HV] of a chunk's rows, summed in tile order (a fixed
+    order: atomics across tiles made the sums vary in their last bits from run to run)."""
+    total = load_vec(parts, tok0, rows, HV, hv, n_valid)
+    for k_tile in tl.static_range(1, NK):
+        total += load_vec(parts + part_stride.to(tl.int64) * k_tile, tok0, rows, HV, hv, n_valid)
+    return total
+
+
 @triton.jit(do_not_specialize=["T", "part_stride"])
-def gdn_gate_grad_kernel(db, dg, dgk, dbeta, dbeta_parts, dbeta_out, chunk_map, cu_seqlens, T, part_stride,
-                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-                         HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """With gk: the per-key gate terms dB, reverse-cumsummed within the chunk, are dgk; their sum
-    over keys, reverse-cumsummed, is dg. BK covers all of K (a loop-carried row sum here trips
-    Triton 3.6's thread-locality pass on Hopper). Also finishes dbeta: the WY pass's (fp32) plus
-    the pair pass's NK per-K-tile shares, summed in tile order, into dbeta_out in beta's dtype."""
+def gdn_gate_grad_kernel(dg, dbeta, dbeta_parts, dg_parts, dbeta_out, chunk_map, cu_seqlens, T, part_stride,
+                         HV: tl.constexpr, NK: tl.constexpr, HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """With gk, after the pair-gradient pass (which writes dgk itself): dbeta finished from the WY
+    pass's part (fp32) plus the pair pass's NK per-K-tile shares, into dbeta_out in beta's dtype;
+    and (HAS_G) dg, the reverse cumsum down the chunk of the shares of its terms (the per-key gate
+    terms summed over keys)."""
     slot = tl.program_id(0)
     bhv = tl.program_id(1)
     hv = bhv % HV
     tok0, n_valid, _ = chunk_of_slot(slot, bhv // HV, chunk_map, cu_seqlens, T, IS_VARLEN)
     rows = tl.arange(0, CHUNK)
-    cols = tl.arange(0, BK)
-    d = load_tile(db, tok0, rows, HV, hv, K, cols, n_valid)
-    store_tile(dgk, reverse_cumsum(d), tok0, rows, HV, hv, K, cols, n_valid)
     if HAS_G:
-        store_vec(dg, reverse_cumsum(tl.sum(d, axis=1)), tok0, rows, HV, hv, n_valid)
-    shares = load_vec(dbeta_parts, tok0, rows, HV, hv, n_valid)
-    for k_tile in tl.static_range(1, NK):
-        shares += load_vec(dbeta_parts + part_stride.to(tl.int64) * k_tile, tok0, rows, HV, hv, n_valid)
+        store_vec(dg, reverse_cumsum(sum_of_parts(dg_parts, part_stride, NK, tok0, rows, hv, HV, n_valid)),
+                  tok0, rows, HV, hv, n_valid)
+    shares = sum_of_parts(dbeta_parts, part_stride, NK, tok0, rows, hv, HV, n_valid)
     store_vec(dbeta_out, load_vec(dbeta, tok0, rows, HV, hv, n_valid) + shares, tok0, rows, HV, hv, n_valid)
 
 
@@ -91,16 +97,16 @@ def gate_buffers(q, k, g, gk, store_q_gated: bool):
     return (g_cum, gk_cum, *gated_qk_buffers(q, k, HV, store_q_gated))
 
 
-def gate_gradients(plan, layout: ChunkLayout, db, dg, dbeta, dbeta_parts, beta_dtype: torch.dtype):
-    """With gk: dgk from the per-key gate terms db, and (dg not None) dg, their sum over keys,
-    both reverse-cumsummed within each chunk; and dbeta finished from the WY pass's part (fp32)
-    and the pair pass's per-K-tile shares dbeta_parts [NK, B, T, HV]. -> (dgk, dbeta in beta_dtype)."""
-    B, T, HV, K = db.shape
-    dgk = torch.empty(B, T, HV, K, device=db.device, dtype=torch.float32)
-    dbeta_out = torch.empty(B, T, HV, device=db.device, dtype=beta_dtype)
+def gate_gradients(plan, layout: ChunkLayout, dg, dbeta, dbeta_parts, dg_parts, beta_dtype: torch.dtype):
+    """With gk, after pair_gradients (which wrote dgk): dbeta finished from the WY pass's part
+    (fp32) and the pair pass's per-K-tile shares dbeta_parts [NK, B, T, HV], and (dg not None)
+    dg from the shares of its terms dg_parts, reverse-cumsummed within each chunk.
+    -> dbeta in beta_dtype (dg is written in place)."""
+    NK, B, T, HV = dbeta_parts.shape
+    dbeta_out = torch.empty(B, T, HV, device=dbeta.device, dtype=beta_dtype)
     cfg = plan.launch("gate_grad")
     chunk_map, cu = chunk_args(layout)
     launch(gdn_gate_grad_kernel, (layout.num_slots, B * HV),
-           db, dg, dgk, dbeta, dbeta_parts, dbeta_out, chunk_map, cu, T, B * T * HV, HV=HV, K=K,
-           BK=cfg.block_k, NK=dbeta_parts.shape[0], HAS_G=dg is not None, IS_VARLEN=layout.is_varlen)
-    return dgk, dbeta_out
+           dg, dbeta, dbeta_parts, dg_parts, dbeta_out, chunk_map, cu, T, B * T * HV, HV=HV, NK=NK,
+           HAS_G=dg is not None, IS_VARLEN=layout.is_varlen, **cfg.launch_options())
+    return dbeta_out
