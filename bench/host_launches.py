@@ -38,19 +38,21 @@ def _counting_run(self, *args, **kwargs):
     return _triton_run(self, *args, **kwargs)
 
 
-def gdn_step(B, T, H, K, V, dtype=torch.bfloat16, backward=True):
+def gdn_step(B, T, H, K, V, dtype=torch.bfloat16, backward=True, per_key=False):
+    """per_key: the per-key gate gk (KDA) in place of g."""
     from flash_dma import chunk_gated_delta_rule
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", dtype=torch.float32), dim=-1).to(dtype)
     v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
-    g = -torch.rand(B, T, H, device="cuda", dtype=torch.float32) * 0.1
+    g = -torch.rand(B, T, H, *((K,) if per_key else ()), device="cuda", dtype=torch.float32) * 0.1
     beta = torch.rand(B, T, H, device="cuda", dtype=dtype)
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
     do = torch.randn_like(v)
+    gates = {"g": None, "gk": leaves[3]} if per_key else {"g": leaves[3]}
 
     def step():
-        o, _ = chunk_gated_delta_rule(*leaves, scale=K ** -0.5)
+        o, _ = chunk_gated_delta_rule(*leaves[:3], beta=leaves[4], scale=K ** -0.5, **gates)
         if not backward:  # a training forward: inputs need grads, the graph is dropped
             return
         o.backward(do)
@@ -85,6 +87,7 @@ CASES = {
     "gdn fwd+bwd B4 T4096 H16 K=V=128": lambda: gdn_step(4, 4096, 16, 128, 128),
     "gdn fwd+bwd B1 T8192 H16 K=V=128": lambda: gdn_step(1, 8192, 16, 128, 128),
     "gdn fwd+bwd B1 T256 H4 K=V=64": lambda: gdn_step(1, 256, 4, 64, 64),
+    "gdn fwd+bwd KDA B2 T4096 H16 K=V=128": lambda: gdn_step(2, 4096, 16, 128, 128, per_key=True),
     "gdn fwd B1 T32768 H16 K=V=128": lambda: gdn_step(1, 32768, 16, 128, 128, backward=False),
     "gdn fwd+bwd B1 T32768 H16 K=V=128": lambda: gdn_step(1, 32768, 16, 128, 128),
     "bwd_dhu B1 T2048 H16 K=V=128 (mode A)": lambda: dhu_step(1, 2048, 16, 128, 128),
@@ -236,10 +239,10 @@ def main():
             lines.append(f"| {case} | failed: {type(exc).__name__}: {str(exc)[:200]} | | | |")
         print(lines[-1], flush=True)
     path = os.path.join(args.out, f"host-launches-{name.replace(' ', '-')}-{when:%Y%m%d}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
     if breakdowns:
         lines += ["", *breakdowns]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
     if profiles:
         with open(path.replace(".txt", "-profile.txt"), "w") as f:
             f.write("\n".join(profiles))
