@@ -188,7 +188,7 @@ def test_env_describes_both_ops(capsys, monkeypatch):
     assert any("attn_bwd_dkdv:" in line for line in lines)
     for pass_name in ("gated_pairs", "prepare_gk", "intra", "bwd_dhu", "bwd_dqkw", "pair_grad"):
         assert any(line.strip().startswith(f"{pass_name}: ") and "(interpreter)" in line for line in lines), pass_name
-    assert any(line.strip() == "gate_grad: BK128_BV16_W4_S2 (rule)" for line in lines)
+    assert any(line.strip() == "gate_grad: BK64_BV16_W4_S1 (rule)" for line in lines)
     assert any("split_prepare: False (rule)" in line for line in lines)
 
 
