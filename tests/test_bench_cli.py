@@ -557,6 +557,17 @@ def test_gdn_peak_memory_note():
     assert gdn._peak_mib(lambda: None, "cpu") is None
 
 
+def test_gdn_host_time_note():
+    """Each side's host time of one fwd+bwd call is reported beside its timed fwd+bwd, so that a
+    row bound by the machine's host shows as such; sides without a measurement are left out."""
+    def result(host):
+        return gdn.OpResult(1.0, 2.0, 3.25, [], [], 0.1, host_ms=host)
+    line = gdn.host_time_note("B2 T4096 H16 KDA", {"ours": result(1.5624), "FLA": result(None), "FlashQLA": None})
+    assert line.startswith("host ms of one fwd+bwd call / its timed ms, B2 T4096 H16 KDA: ours 1.562 / 3.250 (")
+    assert gdn.host_time_note("x", {"ours": result(None)}) is None
+    assert gdn._host_ms(lambda: None, "cpu") is None
+
+
 def test_attention_walk_peer_runs_ours_without_compaction(monkeypatch):
     """The top-k row's "ours-walk" peer: our call with attention_keywise_compaction off, beside
     ours compacted ("on" here, as "auto" is where CuTe runs)."""

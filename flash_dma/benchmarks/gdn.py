@@ -684,6 +684,7 @@ class OpResult:
     first_s: float
     note: str = ""
     peak_mib: float | None = None  # one fwd+bwd's peak allocation above the live set (CUDA only)
+    host_ms: float | None = None  # host time of one fwd+bwd call with the device idle before it (CUDA only)
 
 
 def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
@@ -716,13 +717,14 @@ def _op_steps(fn, case: OpCase, x: dict, device) -> tuple[dict, OpResult]:
         o, d = targets(fwd())
         return torch.autograd.grad(o, leaves, d)
     peak = _peak_mib(fwd_bwd, device)
+    host = _host_ms(fwd_bwd, device)
 
     def backward_on_a_fresh_graph():
         o, d = targets(fwd())
         return lambda: torch.autograd.grad(o, leaves, d, retain_graph=True)
     steps = {"fwd": fwd, "fwd+bwd": fwd_bwd, "bwd": backward_on_a_fresh_graph}
     return steps, OpResult(math.nan, math.nan, math.nan, [t.detach() if t is not None else None for t in out],
-                           [gr.detach() for gr in grads], first, "", peak)
+                           [gr.detach() for gr in grads], first, "", peak, host)
 
 
 def _frees_what_it_saved(exc: Exception) -> bool:
@@ -784,6 +786,32 @@ def _peak_mib(step, device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - live) / 2**20
 
 
+def _host_ms(step, device, calls: int = 5) -> float | None:
+    """Median host time of one call of step, from its start to its return with the device idle
+    before it (CUDA): where it comes close to the step's timed time, the timing measures this
+    machine's host rather than the kernels."""
+    if torch.device(device).type != "cuda":
+        return None
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def host_time_note(label: str, results: dict) -> str | None:
+    """One line per case: each side's host ms of one fwd+bwd call beside its timed fwd+bwd."""
+    parts = [f"{who} {r.host_ms:.3f} / {r.fwdbwd_ms:.3f}" for who, r in results.items()
+             if r is not None and r.host_ms is not None]
+    if not parts:
+        return None
+    return (f"host ms of one fwd+bwd call / its timed ms, {label}: " + ", ".join(parts)
+            + " (where the two are close, that side times this machine's host, not its kernels)")
+
+
 def peak_memory_note(label: str, results: dict) -> str | None:
     """One line per case: each side's peak MiB of one fwd+bwd (above the live set)."""
     parts = [f"{who} {r.peak_mib:.0f}" for who, r in results.items() if r is not None and r.peak_mib is not None]
@@ -836,9 +864,9 @@ def run_op_case(case: OpCase, ours, fla, notes: list[str], device="cuda", timer:
     if firsts is not None:
         firsts.update({(who, case.label): (case.label, r.first_s) for who, r in res.items() if r is not None})
     o = res["ours"]
-    line = peak_memory_note(case.label, res)
-    if line:
-        notes.append(line)
+    for line in (peak_memory_note(case.label, res), host_time_note(case.label, res)):
+        if line:
+            notes.append(line)
     acc = {}  # peer -> direction -> (max_abs, max_rel) against ours
     for who in peers:
         fwd = bwd = (None, None)
