@@ -78,11 +78,21 @@ def forward(plan: DeltaRulePlan, layout: ChunkLayout, q, k, v, g, gk, beta, scal
         decay_bound = torch.empty(layout.num_chunk_states, v.shape[2], device=k.device,
                                   dtype=torch.float32)
     keep, keep_w, keep_gated = kept_states_form(plan, gk is not None, keep_states)
+    # with gk the warp-role kernel takes the gated q (the Triton output pass gates q itself); it
+    # writes no per-chunk states, so kept states take the Triton passes
+    fused_gk = gk is not None and not keep and plan.fused_forward_gk_on()
     g_cum, gk_cum, w, u, ai, aqk, k_gated, q_gated = _prepare(plan, layout, q, k, v, beta, g, gk, scale,
                                                               store_wu=not split and fused is None,
-                                                              store_q_gated=keep_gated, decay_bound=decay_bound)
+                                                              store_q_gated=keep_gated or fused_gk,
+                                                              decay_bound=decay_bound)
     states = None
-    if fused is not None:
+    if fused_gk:
+        from .gluon.forward_ws_gk import forward_ws_gk
+        o, final = forward_ws_gk(layout, q_gated, k_gated, w, u, aqk, gk_cum, initial_state, output_final_state,
+                                 scale, order=plan.sequence_order(layout))
+        segments = None
+        del w, u, k_gated, q_gated
+    elif fused is not None:
         if keep_states:
             log_states_not_kept("the fused SM90 forward writes no per-chunk states")
         o, final, segments = _fused_forward(plan, layout, q, k, v, beta, ai, g_cum, initial_state,

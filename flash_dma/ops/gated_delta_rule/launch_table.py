@@ -294,6 +294,20 @@ def fused_forward_fits(K: int, V: int, dtype: torch.dtype, has_gk: bool, device:
             and not has_gk and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))
 
 
+def fused_forward_gk_fits(K: int, V: int, dtype: torch.dtype, has_g: bool, has_gk: bool,
+                          device: torch.device) -> bool:
+    """Whether the warp-role forward with the per-key gate (gluon/forward_ws_gk.py) computes such
+    a call: an SM90 GPU, gk without the scalar gate, K 64 or 128, V a multiple of 64, 16-bit
+    inputs."""
+    return (device.type == "cuda" and not interpreter_active() and device_info(device).arch // 10 == 9
+            and has_gk and not has_g and K in (64, 128) and V % 64 == 0 and dtype in (torch.float16, torch.bfloat16))
+
+
+# Off until measured on a GPU against the Triton state pass and output it replaces (written in the
+# seventeenth session of 2026-11-28, compiled for sm_90a on the CPU only).
+FUSED_FORWARD_GK_BY_DEFAULT = False
+
+
 # The backward's bwd_dqkw and bwd_wy fused in one Hopper kernel (gluon/backward_chunk.py), from
 # bench/gdn_fused_backward.py (H200, K = V = 128, same run): the two kernels' 557 / 290 / 1118 /
 # 2270 us against 360 / 193 / 696 / 1358 us at B4 T4096 H16, B1 T8192 H16, B1 T32768 H16 and

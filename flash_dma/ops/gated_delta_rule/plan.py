@@ -17,6 +17,9 @@ Strategies (declared choices, overridden with `runtime.config.overrides`):
                              warp roles (gluon/forward_ws.py), 64 or 128 the V tile of the
                              one-role kernel (gluon/forward_fused.py); None: the Triton state
                              pass and output kernels;
+  gdn_fused_forward_gk       with gk (and no g): the forward's state pass and output as one SM90
+                             warp-role kernel (gluon/forward_ws_gk.py) over the gated-pair and
+                             prepare passes' outputs, where the sequences are not cut;
   gdn_longest_first          packed sequences (varlen) run by the fused kernels longest first
                              (programs start in grid order: the longest chains first, the short
                              ones fill the tail) rather than in the order given;
@@ -69,6 +72,9 @@ declare_choice("gdn_backward_states_from_inverse", None, (True, False),
 declare_choice("gdn_fused_forward", None, (0, 64, 128, "ws"),
                "the forward's state pass and output in one Hopper kernel: 'ws' with warp roles, 64 or 128 "
                "the V tile of the one-role kernel (0: the Triton passes; default: launch_table's rule)")
+declare_choice("gdn_fused_forward_gk", None, (True, False),
+               "with gk: the forward's state pass and output in one Hopper warp-role kernel (default: launch_table's "
+               "rule)")
 declare_choice("gdn_longest_first", None, (True, False),
                "packed sequences run by the fused kernels longest first (default: launch_table's rule)")
 declare_choice("gdn_fused_backward", None, (True, False),
@@ -112,6 +118,7 @@ class DeltaRulePlan:
     forward_join: Callable | None = None
     backward_join: Callable | None = None
     fused_forward: Chosen = Chosen(None, "table")  # "ws", 64 or 128 (the fused forward's form), or None
+    fused_forward_gk: Chosen = Chosen(False, "table")  # bool: gluon/forward_ws_gk.py (gk without g)
     fused_backward: Chosen = Chosen(False, "table")  # bool: gluon/backward_chunk.py for bwd_dqkw + bwd_wy
     longest_first: Chosen = Chosen(False, "table")  # bool: the fused kernels take varlen sequences longest first
     dhu_local_dv: Chosen = Chosen(False, "table")  # bool: bwd_dhu forms P^T do (no local_dv pass)
@@ -134,6 +141,14 @@ class DeltaRulePlan:
         log_choice(OP, "fused_forward", "gluon" if form else self.backend, self.info, self.shape, name,
                    self.fused_forward.source)
         return form
+
+    def fused_forward_gk_on(self) -> bool:
+        """Whether the forward with gk runs its state pass and output as the warp-role Gluon kernel;
+        logged like a launch."""
+        on = bool(self.fused_forward_gk.value)
+        log_choice(OP, "fused_forward_gk", "gluon" if on else self.backend, self.info, self.shape,
+                   "warp_roles block_v=64" if on else "off", self.fused_forward_gk.source)
+        return on
 
     def sequence_order(self, layout: ChunkLayout) -> torch.Tensor | None:
         """The order the fused kernels run packed sequences in (layout.longest_first), or None
@@ -385,6 +400,15 @@ def _build(device, dtype, B, T, H, HV, K, V, num_seqs, varlen, has_g, has_gk,
                          forward_from_t, backward_from_t, launches, segments, dhu_segments,
                          fused_forward=_fused_forward(K, V, chains, dtype, has_gk, varlen, device),
                          fused_backward=_fused_backward(K, V, dtype, has_gk, device),
+                         fused_forward_gk=_hopper_kernel(
+                             "gdn_fused_forward_gk",
+                             segments.value is None and launch_table.fused_forward_gk_fits(K, V, dtype, has_g, has_gk,
+                                                                                            device),
+                             lambda: launch_table.FUSED_FORWARD_GK_BY_DEFAULT,
+                             "the warp-role forward with gk needs an SM90 GPU, gk without g, K 64 or 128, V a "
+                             "multiple of 64, 16-bit inputs and sequences not cut into segments",
+                             f"device {device}, g {has_g}, gk {has_gk}, K {K}, V {V}, dtype {dtype}, "
+                             f"cut {segments.value}"),
                          longest_first=_strategy("gdn_longest_first", lambda: launch_table.LONGEST_FIRST),
                          dhu_local_dv=_dhu_fold("gdn_dhu_local_dv", has_gk),
                          dhu_w_from_t=_dhu_fold("gdn_dhu_w_from_t", has_gk or not keep or not backward_from_t.value),
@@ -554,7 +578,7 @@ def describe(shape: str, device: torch.device | None = None) -> list[str]:
              f"T kept for the backward: {plan.keeps_t}"
              f"{' (with the gated pair products)' if plan.keep_gated_pairs else ''}"]
     for name in ("split_prepare", "states_from_inverse", "backward_states_from_inverse", "chunks_per_segment",
-                 "dhu_chunks_per_segment", "fused_forward", "longest_first",
+                 "dhu_chunks_per_segment", "fused_forward", "fused_forward_gk", "longest_first",
                  "fused_backward", "dhu_local_dv",
                  "dhu_w_from_t", "dhu_warp_roles", "backward_warp_roles"):
         chosen = getattr(plan, name)

@@ -1,7 +1,8 @@
 """The fused SM90 forward (gluon/: state pass and output in one kernel, with warp roles or in one
 role): output, final state and every gradient against the fp64 reference, every form, whole and cut
 into segments (of one chunk; a last segment shorter than a chunk), fixed lengths and varlen
-with empty and single-token sequences, GQA, K != V, no gate; and the rule that picks it."""
+with empty and single-token sequences, GQA, K != V, no gate; and the rule that picks it. The same
+for the warp-role forward with the per-key gate gk (gluon/forward_ws_gk.py), forced on."""
 import pytest
 import torch
 
@@ -12,8 +13,8 @@ from flash_dma.ops.gated_delta_rule.plan import plan_call
 from flash_dma.runtime.config import overrides
 
 from .cases import (
-    FUSED_CASES, ON_SM90, assert_mma_not_serialised, check_against_reference, compile_for_sm90, cu_from_lengths,
-    make_inputs, poison_allocator
+    FUSED_CASES, ON_SM90, assert_choice_refused_where_it_cannot_run, assert_mma_not_serialised,
+    check_against_reference, compile_for_sm90, cu_from_lengths, make_inputs, poison_allocator
 )
 
 CASES = {  # name: (B, T, H, HV, K, V, gate, states, dtype, varlen lengths or None)
@@ -129,3 +130,61 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     assert compiled["cubin"], "no cubin"
     assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
     assert_mma_not_serialised(compiled)
+
+
+GK_CASES = {  # name: (B, T, H, HV, K, V, states, dtype, varlen lengths or None); gate gk alone
+    "gk-h0-K128": (2, 1000, 2, 2, 128, 128, True, torch.bfloat16, None),
+    "gk-one-chunk": (1, 64, 1, 1, 128, 128, False, torch.bfloat16, None),
+    "gk-65-tokens-fp16": (1, 65, 1, 1, 128, 128, True, torch.float16, None),
+    "gk-gqa-K64-V128": (3, 333, 1, 2, 64, 128, False, torch.bfloat16, None),
+    "gk-K64-V64": (2, 200, 2, 2, 64, 64, True, torch.bfloat16, None),
+    "gk-varlen-empty-single": (1, 1000, 1, 2, 128, 128, True, torch.bfloat16, [1, 299, 0, 700]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
+@pytest.mark.parametrize("keep_states", [False, True])
+@pytest.mark.parametrize("name", list(GK_CASES))
+def test_gpu_fused_forward_gk(name, keep_states):
+    """gdn_fused_forward_gk forced on: every output and gradient against fp64 (with
+    disable_recompute the forward keeps its states, so the Triton passes run instead)."""
+    B, T, H, HV, K, V, states, dtype, lengths = GK_CASES[name]
+    torch.manual_seed(0)
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, "gk", states, n_seqs=None if lengths is None else len(lengths))
+    kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
+    if keep_states:
+        kwargs["disable_recompute"] = True
+    with overrides(gdn_fused_forward_gk=True):
+        plan = plan_call(inputs["q"], inputs["v"], False, True, chunk_layout(B, T, kwargs.get("cu_seqlens")))
+        assert plan.fused_forward_gk.value
+        poison_allocator(B * T * HV * V, dtype)
+        check_against_reference(inputs, dtype, **kwargs)
+
+
+def test_fused_forward_gk_choice():
+    """Off by default until measured; forced where it cannot run (no SM90 GPU here, or a scalar
+    gate beside gk), an error naming the choice."""
+    assert launch_table.FUSED_FORWARD_GK_BY_DEFAULT is False
+    assert not launch_table.fused_forward_gk_fits(128, 128, torch.bfloat16, True, True, torch.device(DEVICE))
+    assert_choice_refused_where_it_cannot_run("gdn_fused_forward_gk", "fused_forward_gk")
+
+
+@pytest.mark.parametrize("K, varlen, h0", [(128, False, True), (64, True, False), (128, True, False)])
+def test_fused_forward_gk_compiles_for_sm90(K, varlen, h0):
+    """The warp-role forward with gk compiles for sm_90a without a GPU, within shared memory and
+    with its warpgroup MMAs in flight (not serialised)."""
+    pointers = {"q_gated": "*bf16", "k_gated": "*bf16", "w": "*bf16", "u": "*bf16", "aqk": "*bf16",
+                "gk_cum": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32", "order": "*i32"}
+    constants = {"HV": 4, "K": K, "V": 128, "STAGES": 2, "HAS_H0": h0, "STORE_HT": True, "IS_VARLEN": varlen}
+    if h0:
+        pointers["h0"] = "*fp32"
+    else:
+        constants["h0"] = None
+    compiled = compile_for_sm90("flash_dma.ops.gated_delta_rule.gluon.forward_ws_gk.gdn_fwd_ws_gk_kernel", pointers,
+                                {"T": "i32", "scale": "fp32"}, constants, {"num_warps": 4, "maxnreg": 160})
+    assert compiled["cubin"], "no cubin"
+    assert 0 < compiled["shared"] <= 227 * 1024, f"shared memory {compiled['shared']} B"
+    assert compiled["spill_bytes"] <= 64, compiled
+    assert_mma_not_serialised(compiled)
+

@@ -214,6 +214,28 @@ def store_state(base, state, seq_hv, v_start, V: gl.constexpr, BV: gl.constexpr,
 
 
 @gluon.jit
+def forward_ws_barriers(STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
+    """The warp-role forwards' mbarriers, initialised: (ready[STAGES], READY_ARRIVALS arrivals each
+    (the load warpgroup's); free[STAGES], two (the chain and the output warpgroup); h_ready, h_free,
+    v_ready, v_free [2], one each (the double-buffered hand-offs of h^T and v_new^T))."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    h_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(free.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(h_ready.index(i), count=1)
+        mbarrier.init(h_free.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_free.index(i), count=1)
+    return ready, free, h_ready, h_free, v_ready, v_free
+
+
+@gluon.jit
 def hand_off(bufs, value, ready, free, index, phase):
     """One partition's value for another through double-buffered shared memory: wait until
     buffer `index` is free (the reader's arrival of two uses ago), store, make the store visible

@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ....runtime.config import ceil_div
 from ....runtime.launch import launch
 from .common import (
-    CHUNK, allocate_ring, exp2_ftz, fill_ring_slot, hand_off, last_gate, one_warpgroup_accumulator,
+    CHUNK, allocate_ring, exp2_ftz, fill_ring_slot, forward_ws_barriers, hand_off, last_gate, one_warpgroup_accumulator,
     output_buffers, register_a_operand, sequence_of_program, start_state, store_state, store_output
 )
 
@@ -160,20 +160,8 @@ def gdn_fwd_ws_kernel(q, k, v, beta, ai, g_cum, h0, o, ht, cu_seqlens, order, T,
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     g_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
     beta_rows = gl.allocate_shared_memory(gl.float32, [STAGES, CHUNK], row_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    h_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=129)  # one cp.async arrival per load thread, one for the rows
-        mbarrier.init(free.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(h_ready.index(i), count=1)
-        mbarrier.init(h_free.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_free.index(i), count=1)
+    # one cp.async arrival per load thread, one for the rows
+    ready, free, h_ready, h_free, v_ready, v_free = forward_ws_barriers(STAGES, 129)
     gl.warp_specialize([
         (_chain, (h0, ht, g_cum, cu_seqlens, order, T, v_start, k_ring, v_ring, t_ring, g_rows, beta_rows, h_buf, v_buf,
                   ready, free, h_ready, h_free, v_ready, v_free, HV, K, V, STAGES, HAS_G, HAS_H0, STORE_HT,
