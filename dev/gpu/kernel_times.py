@@ -3,7 +3,7 @@ each kernel's mean duration, their sum, and the span from the first kernel's sta
 one's end (span - sum = the GPU idle between kernels, where the host's launches are slower).
 
     python dev/gpu/kernel_times.py ["B1 T32768 H16" "B2 T8192 H8 K256" "B2 T4096 H16 kda" ...] [--backward]
-        [--keep] [--package flash_dma_old] [--config pair_grad=32x16x4x1x168]
+        [--keep] [--package flash_dma_old] [--config pair_grad=32x16x4x1x168] [--choice gdn_fused_forward_gk=True]
 
 --keep passes disable_recompute=True; --package times another copy of the package (one that
 bench/make_old_package.sh made, on PYTHONPATH).
@@ -54,6 +54,11 @@ def parse(label):
     return B, T, H, K, "kda" in parts[3:], "strong" in parts[3:], kimi
 
 
+def _value(text: str):
+    """A choice's value from the command line: True, False, None, an int, or the text."""
+    return {"True": True, "False": False, "None": None}.get(text, int(text) if text.lstrip("-").isdigit() else text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="*", default=["B1 T32768 H16"])
@@ -63,12 +68,15 @@ def main():
     ap.add_argument("--package", default="flash_dma")
     ap.add_argument("--config", action="append", default=[],
                     help="PASS=BKxBVxWARPSxSTAGES[xMAXREGS]: that pass's launch configuration (repeatable)")
+    ap.add_argument("--choice", action="append", default=[],
+                    help="NAME=VALUE: a declared choice forced, e.g. gdn_fused_forward_gk=True (repeatable)")
     ns = ap.parse_args()
     # the package timed reads its own overrides and configuration class (flash_dma_old: its copies)
     config = importlib.import_module(f"{ns.package}.runtime.config")
     GdnConfig = importlib.import_module(f"{ns.package}.ops.gated_delta_rule.launch_table").GdnConfig
     launch_configs = {f"gdn_{name}": GdnConfig(*(int(x) for x in value.split("x")))
                       for name, value in (item.split("=", 1) for item in ns.config)}
+    launch_configs.update({name: _value(value) for name, value in (item.split("=", 1) for item in ns.choice)})
     chunk_gated_delta_rule = importlib.import_module(ns.package).chunk_gated_delta_rule
     keep = {"disable_recompute": True} if ns.keep else {}
     for label in ns.shapes:
@@ -101,7 +109,7 @@ def main():
             spans.append(max(e.time_range.end for e in chunk) - min(e.time_range.start for e in chunk))
         total = sum(sum(v) for v in per.values()) / ns.steps
         what = ("fwd+bwd" if ns.backward else "fwd") + (" kept" if ns.keep else "")
-        what += "".join(f" {item}" for item in ns.config)
+        what += "".join(f" {item}" for item in ns.config + ns.choice)
         print(f"== {ns.package} {label} {what}: {n} kernels a step, kernel sum {total:.0f} us, "
               f"span median {sorted(spans)[len(spans) // 2]:.0f} us")
         for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
