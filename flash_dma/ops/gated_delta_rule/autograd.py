@@ -383,8 +383,8 @@ def compile_ahead_of_first_call(args: tuple, backward: bool, keep_states: bool =
     choices = (tuple((name, chosen.value) for name, chosen in sorted(plan.launches.items())),
                plan.split_prepare.value, plan.states_from_inverse.value, plan.backward_states_from_inverse.value,
                plan.chunks_per_segment.value, plan.dhu_chunks_per_segment.value, plan.fused_forward.value,
-               plan.longest_first.value, plan.fused_backward.value, plan.dhu_warp_roles.value,
-               plan.backward_warp_roles.value)
+               plan.fused_forward_gk.value, plan.longest_first.value, plan.fused_backward.value,
+               plan.dhu_warp_roles.value, plan.backward_warp_roles.value)
     key = (q.device, q.dtype, k.dtype, v.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
            g is not None, gk is not None, initial_state is not None, output_final_state,
            layout.is_varlen, q.shape[1] % 16 == 0, choices, backward, keep_states)

@@ -132,34 +132,44 @@ def test_fused_forward_compiles_for_sm90(form, K, has_g, varlen):
     assert_mma_not_serialised(compiled)
 
 
-GK_CASES = {  # name: (B, T, H, HV, K, V, states, dtype, varlen lengths or None); gate gk alone
-    "gk-h0-K128": (2, 1000, 2, 2, 128, 128, True, torch.bfloat16, None),
-    "gk-one-chunk": (1, 64, 1, 1, 128, 128, False, torch.bfloat16, None),
-    "gk-65-tokens-fp16": (1, 65, 1, 1, 128, 128, True, torch.float16, None),
-    "gk-gqa-K64-V128": (3, 333, 1, 2, 64, 128, False, torch.bfloat16, None),
-    "gk-K64-V64": (2, 200, 2, 2, 64, 64, True, torch.bfloat16, None),
-    "gk-varlen-empty-single": (1, 1000, 1, 2, 128, 128, True, torch.bfloat16, [1, 299, 0, 700]),
+GK_CASES = {  # name: (B, T, H, HV, K, V, states, dtype, varlen lengths or None, gk's shift); gate gk alone
+    "gk-h0-K128": (2, 1000, 2, 2, 128, 128, True, torch.bfloat16, None, 5.0),
+    "gk-one-chunk": (1, 64, 1, 1, 128, 128, False, torch.bfloat16, None, 5.0),
+    "gk-65-tokens-fp16": (1, 65, 1, 1, 128, 128, True, torch.float16, None, 5.0),
+    "gk-gqa-K64-V128": (3, 333, 1, 2, 64, 128, False, torch.bfloat16, None, 5.0),
+    "gk-K64-V64": (2, 200, 2, 2, 64, 64, True, torch.bfloat16, None, 5.0),
+    "gk-varlen-empty-single": (1, 1000, 1, 2, 128, 128, True, torch.bfloat16, [1, 299, 0, 700], 5.0),
+    # per-key decays far from 1 over a chunk: a decay applied along the wrong axis of the state shows
+    "gk-strong-decays": (1, 300, 2, 2, 128, 128, True, torch.bfloat16, None, 1.0),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="the fused forward runs on SM90 GPUs")
+@pytest.mark.parametrize("final_state", [True, False])
 @pytest.mark.parametrize("keep_states", [False, True])
 @pytest.mark.parametrize("name", list(GK_CASES))
-def test_gpu_fused_forward_gk(name, keep_states):
-    """gdn_fused_forward_gk forced on: every output and gradient against fp64 (with
-    disable_recompute the forward keeps its states, so the Triton passes run instead)."""
-    B, T, H, HV, K, V, states, dtype, lengths = GK_CASES[name]
+def test_gpu_fused_forward_gk(name, keep_states, final_state, monkeypatch):
+    """gdn_fused_forward_gk forced on: the kernel runs (once a call; with disable_recompute the
+    forward keeps its states, so the Triton passes run instead), and every output and gradient
+    matches fp64, with and without the final state."""
+    from flash_dma.ops.gated_delta_rule.gluon import forward_ws_gk as module
+    B, T, H, HV, K, V, states, dtype, lengths, shift = GK_CASES[name]
     torch.manual_seed(0)
-    inputs = make_inputs(B, T, H, HV, K, V, dtype, "gk", states, n_seqs=None if lengths is None else len(lengths))
+    inputs = make_inputs(B, T, H, HV, K, V, dtype, "gk", states, n_seqs=None if lengths is None else len(lengths),
+                         shifts=(5.0, shift))
     kwargs = {} if lengths is None else {"cu_seqlens": cu_from_lengths(lengths)}
     if keep_states:
         kwargs["disable_recompute"] = True
+    calls = []
+    real = module.forward_ws_gk
+    monkeypatch.setattr(module, "forward_ws_gk", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     with overrides(gdn_fused_forward_gk=True):
         plan = plan_call(inputs["q"], inputs["v"], False, True, chunk_layout(B, T, kwargs.get("cu_seqlens")))
         assert plan.fused_forward_gk.value
         poison_allocator(B * T * HV * V, dtype)
-        check_against_reference(inputs, dtype, **kwargs)
+        check_against_reference(inputs, dtype, output_final_state=final_state, **kwargs)
+    assert len(calls) == (0 if keep_states else 1)
 
 
 def test_fused_forward_gk_choice():
@@ -168,19 +178,26 @@ def test_fused_forward_gk_choice():
     assert launch_table.FUSED_FORWARD_GK_BY_DEFAULT is False
     assert not launch_table.fused_forward_gk_fits(128, 128, torch.bfloat16, True, True, torch.device(DEVICE))
     assert_choice_refused_where_it_cannot_run("gdn_fused_forward_gk", "fused_forward_gk")
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16, device=DEVICE)
+    with overrides(gdn_fused_forward_gk=True), pytest.raises(ValueError, match="gdn_fused_forward_gk=True"):
+        plan_call(q, q, True, True, chunk_layout(1, 128, None))  # g beside gk
 
 
-@pytest.mark.parametrize("K, varlen, h0", [(128, False, True), (64, True, False), (128, True, False)])
-def test_fused_forward_gk_compiles_for_sm90(K, varlen, h0):
+@pytest.mark.parametrize("K, varlen, h0, final", [(128, False, True, True), (64, True, False, True),
+                                                  (128, True, False, True), (128, False, True, False)])
+def test_fused_forward_gk_compiles_for_sm90(K, varlen, h0, final):
     """The warp-role forward with gk compiles for sm_90a without a GPU, within shared memory and
     with its warpgroup MMAs in flight (not serialised)."""
     pointers = {"q_gated": "*bf16", "k_gated": "*bf16", "w": "*bf16", "u": "*bf16", "aqk": "*bf16",
                 "gk_cum": "*fp32", "o": "*bf16", "ht": "*fp32", "cu_seqlens": "*i32", "order": "*i32"}
-    constants = {"HV": 4, "K": K, "V": 128, "STAGES": 2, "HAS_H0": h0, "STORE_HT": True, "IS_VARLEN": varlen}
+    constants = {"HV": 4, "K": K, "V": 128, "STAGES": 2, "HAS_H0": h0, "STORE_HT": final, "IS_VARLEN": varlen}
     if h0:
         pointers["h0"] = "*fp32"
     else:
         constants["h0"] = None
+    if not final:
+        del pointers["ht"]
+        constants["ht"] = None
     compiled = compile_for_sm90("flash_dma.ops.gated_delta_rule.gluon.forward_ws_gk.gdn_fwd_ws_gk_kernel", pointers,
                                 {"T": "i32", "scale": "fp32"}, constants, {"num_warps": 4, "maxnreg": 160})
     assert compiled["cubin"], "no cubin"
