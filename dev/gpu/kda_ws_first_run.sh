@@ -14,4 +14,5 @@ for shape in "B2 T4096 H16 kda" "B8 T4096 H16 kda"; do
         python3 dev/gpu/kernel_times.py --backward $choice "$shape" 2>/dev/null >> "$OUT/kda-ws-kernels.txt"
     done
 done
-grep -E "^==|fwd_h|intra|gdn_fwd_ws_gk|gated_pairs_kernel|prepare" "$OUT/kda-ws-kernels.txt" | grep -v "^    "
+# the summary and the per-kernel lines (" us  x"), not the timelines
+grep -E "^==| us  x" "$OUT/kda-ws-kernels.txt" | grep -E "^==|fwd_h|intra|fwd_ws_gk|gated_pairs_kernel|prepare"
