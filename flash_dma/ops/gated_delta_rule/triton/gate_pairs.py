@@ -17,8 +17,7 @@ from .. import launch_table
 from ..layout import CHUNK as CHUNK_ROWS, ChunkLayout
 from .common import (
     BLOCKS, CHUNK, SUB, chunk_args, chunk_part_program, chunk_program, column_of, decay_factor, factors_fit,
-    key_gate_rows, load_tile, load_vec, reference_gate, reverse_cumsum, row_of, square_ptrs, store_tile, store_vec,
-    tile_ptrs
+    key_gate_rows, load_tile, load_vec, reference_gate, row_of, square_ptrs, store_tile, store_vec, tile_ptrs
 )
 from .key_gates import gate_buffers, key_gate_tile, scalar_gate_cumsum
 
@@ -349,6 +348,8 @@ def gdn_gated_pair_grad_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk, dk_wy,
         terms = finish_pair_gradients(q, k, beta, dq, dk, dk_wy, d_last, dbeta_parts, dg_parts,
                                       k_tile.to(tl.int64) * part_stride, dq_out, dk_out, tok0, rows, hv, head,
                                       n_valid, cols, chunk, scale, dq_c, dka_c, dkp_c, dkc_c, H, HV, K, HAS_G)
+        # dgk down the chunk by Triton's reverse scan (as sum - cumsum + x, common.reverse_cumsum,
+        # ptxas spilled 120 bytes under the kernel's register cap where it spills 32)
         store_tile(dgk, tl.cumsum(terms, 0, reverse=True), tok0, rows, HV, hv, K, cols, n_valid)
 
 
@@ -377,8 +378,8 @@ def gdn_gated_pair_grad_blocks_kernel(q, k, beta, g_cum, gk_cum, dp, da, dq, dk,
             store_tile(dgk, terms, tok0, rows, HV, hv, K, cols, n_valid)
         tl.debug_barrier()  # every thread's block stores are seen by the tile's loads below
         rows = tl.arange(0, CHUNK)
-        store_tile(dgk, reverse_cumsum(load_tile(dgk, tok0, rows, HV, hv, K, cols, n_valid)), tok0, rows, HV, hv, K,
-                   cols, n_valid)
+        whole = load_tile(dgk, tok0, rows, HV, hv, K, cols, n_valid)  # reverse-scanned as in the whole-chunk kernel
+        store_tile(dgk, tl.cumsum(whole, 0, reverse=True), tok0, rows, HV, hv, K, cols, n_valid)
 
 
 # ------------------------------------------------------------------------------------------------
